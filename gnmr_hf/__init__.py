@@ -1,0 +1,58 @@
+"""gnmr-hf: GNMR (Gradient Norm-to-Mean Ratio, arXiv 2606.00539) for the HuggingFace stack.
+
+GNMR watches each recoverable module's gradient norm and moves the few riskiest modules from a cheap,
+low-precision path to a high-fidelity path under a hard budget (`max_active`) and a lock window
+(`lock_steps`), then back.
+
+    from gnmr_hf import GNMRCallback, GNMRConfig
+    trainer.add_callback(GNMRCallback(GNMRConfig(max_active=4)))
+
+`import gnmr_hf` is light: the Trainer integration (which imports transformers, and through it bitsandbytes
+and peft when they are installed) is loaded on first use of `GNMRCallback` or `GNMRTrainer`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .config import GNMRConfig
+from .controller import Decision, GNMRController, HostDecision
+from .signals import UnitSignals
+from .units import DispatchContext, OutputGradMeter, RecoverableUnit, find_units, register_backend
+
+if TYPE_CHECKING:
+    from .callback import GNMRCallback
+    from .trainer import GNMRTrainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Decision",
+    "DispatchContext",
+    "GNMRCallback",
+    "GNMRConfig",
+    "GNMRController",
+    "GNMRTrainer",
+    "HostDecision",
+    "OutputGradMeter",
+    "RecoverableUnit",
+    "UnitSignals",
+    "__version__",
+    "find_units",
+    "register_backend",
+]
+
+_LAZY = {"GNMRCallback": ".callback", "GNMRTrainer": ".trainer"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gnmr_hf' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
