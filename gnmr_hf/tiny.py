@@ -1,0 +1,70 @@
+"""A tiny LLaMA and local text, built from nothing, for the offline demo, the tests and the benchmarks.
+
+Nothing here touches the network: the model comes from a config with a fixed seed and is saved as real
+safetensors, so the real loading path (`from_pretrained` with `BitsAndBytesConfig(load_in_8bit=True)`) runs on
+it exactly as on a downloaded checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+__all__ = ["TINY_LLAMA", "build_tiny_llama", "load_int8_lora", "write_local_text"]
+
+TINY_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+)
+
+
+def build_tiny_llama(path: str | Path, seed: int = 0, **overrides: int) -> Path:
+    """Save a randomly initialised tiny LlamaForCausalLM (fp32 safetensors) to `path` and return it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides}))
+    model.save_pretrained(path)
+    return path
+
+
+def load_int8_lora(path: str | Path, *, r: int = 4, target_modules: list[str] | None = None, seed: int = 0):
+    """Load `path` in 8-bit with bitsandbytes (on CPU) and wrap it in a peft LoRA for causal LM."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu"
+    )
+    torch.manual_seed(seed)
+    lora = LoraConfig(
+        r=r,
+        lora_alpha=2 * r,
+        lora_dropout=0.0,
+        target_modules=target_modules or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def write_local_text(path: str | Path, lines: int = 256, seed: int = 0) -> Path:
+    """Write a small corpus of simple English-like sentences (byte-level friendly) to `path`."""
+    import random
+
+    rng = random.Random(seed)
+    subjects = ["the model", "a layer", "the optimizer", "each unit", "the budget", "a gradient", "the lock"]
+    verbs = ["watches", "moves", "keeps", "returns", "scales", "measures", "selects"]
+    objects = ["the norm", "a spike", "its history", "the mean", "low precision", "the window", "one step"]
+    path = Path(path)
+    with path.open("w") as f:
+        for _ in range(lines):
+            words = [rng.choice(subjects), rng.choice(verbs), rng.choice(objects)]
+            f.write(" ".join(words) + ".\n")
+    return path

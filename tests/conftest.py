@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny fp32 LLaMA saved as safetensors (the 'original checkpoint' of the INT8 model)."""
+    from gnmr_hf.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
