@@ -43,9 +43,7 @@ class UnitSignals:
             elif unit.output_grad is not None:
                 self.meters.append((i, unit.output_grad))
             else:
-                raise ValueError(
-                    f"UnitSignals: unit {unit.name!r} has no signal tensors and no output-gradient meter"
-                )
+                raise ValueError(f"UnitSignals: unit {unit.name!r} has no signal tensors and no output-gradient meter")
         if device is None:
             first = self.tensors[0] if self.tensors else next(self.units[0].module.parameters())
             device = first.device

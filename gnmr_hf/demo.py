@@ -1,0 +1,163 @@
+"""The main job: a tiny GNMR LoRA fine-tune of an 8-bit LLaMA on CPU, offline, end to end.
+
+    gnmr-hf demo --output_dir runs/demo
+
+1. builds a tiny LLaMA from a config and saves it as safetensors (the "original checkpoint");
+2. reloads it with `BitsAndBytesConfig(load_in_8bit=True)` and wraps it in a peft LoRA;
+3. writes a small local text corpus and loads it with `datasets.load_dataset("text", ...)`, byte-tokenized;
+4. trains with the transformers Trainer (`use_cpu=True`) and `GNMRCallback`;
+5. prints the GNMR summary and writes the decision trace and its plots to `output_dir`.
+
+A tiny model on clean text rarely has a real instability, so by default the demo *injects* one, the same
+way the tests do: at step `--spike_step` one unit's gradient is multiplied by `--spike_factor`. GNMR should
+select that unit at the next step, hold it for `lock_steps` and release it. `--spike_step 0` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from .config import GNMRConfig
+from .tiny import build_tiny_llama, load_int8_lora, write_local_text
+
+__all__ = ["GradientSpikeCallback", "byte_dataset", "main", "run_demo"]
+
+logger = logging.getLogger("gnmr_hf")
+
+
+class GradientSpikeCallback(TrainerCallback):
+    """Multiplies the gradients of the module named `module_name` by `factor` during optimizer step `step`.
+
+    A stand-in for a real low-precision failure (an overflowing block, a saturated scale): the gradient hooks
+    act on every micro-batch of that step, so the accumulated gradient is `factor` times larger, before
+    clipping. Steps are 1-based, as in the trace (step k is the one after which `global_step == k`).
+    """
+
+    def __init__(self, module_name: str, step: int, factor: float = 100.0) -> None:
+        self.module_name, self.step, self.factor = module_name, step, factor
+        self.armed = False
+        self._handles: list[Any] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        params = [
+            p
+            for name, p in model.named_parameters()
+            if p.requires_grad and name.removeprefix("base_model.model.").startswith(self.module_name + ".")
+        ]
+        if not params:
+            raise ValueError(f"GradientSpikeCallback: no trainable parameter under {self.module_name!r}")
+        self._handles = [p.register_hook(self._scale) for p in params]
+
+    def _scale(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad * self.factor if self.armed else grad
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.armed = state.global_step + 1 == self.step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.armed = False
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for handle in self._handles:
+            handle.remove()
+
+
+def byte_dataset(text_file: str | Path, seq_len: int = 32, vocab_size: int = 256) -> Any:
+    """Load a local text file with `datasets` and turn each line into byte token ids (no tokenizer download)."""
+    from datasets import load_dataset
+
+    ds = load_dataset("text", data_files=str(text_file), split="train")
+
+    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        ids = []
+        for line in batch["text"]:
+            tokens = [b % vocab_size for b in line.encode("utf-8")][:seq_len]
+            ids.append(tokens + [0] * (seq_len - len(tokens)))
+        return {"input_ids": ids, "labels": ids}
+
+    return ds.map(encode, batched=True, remove_columns=["text"])
+
+
+def run_demo(
+    output_dir: str | Path,
+    *,
+    max_steps: int = 40,
+    gnmr: GNMRConfig | None = None,
+    spike_module: str = "model.layers.1.mlp.down_proj",
+    spike_step: int = 20,
+    spike_factor: float = 100.0,
+    seed: int = 0,
+    gradient_accumulation_steps: int = 1,
+    plots: bool = True,
+    extra_callbacks: Sequence[TrainerCallback] = (),
+) -> dict[str, Any]:
+    """Run the demo and return {"trainer", "callback", "summary", "plots", "trace"}."""
+    from transformers import Trainer, TrainingArguments
+
+    from .callback import GNMRCallback
+    from .report import report
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    base = build_tiny_llama(output_dir / "base_model", seed=seed)
+    model = load_int8_lora(base, seed=seed)
+    data = byte_dataset(write_local_text(output_dir / "train.txt", seed=seed))
+    gnmr = gnmr or GNMRConfig(max_active=2, lock_steps=4, window=4, min_history=4, alpha=3.0, beta=3.0)
+    callback = GNMRCallback(gnmr)
+    callbacks: list[TrainerCallback] = [callback, *extra_callbacks]
+    if spike_step > 0:
+        callbacks.append(GradientSpikeCallback(spike_module, spike_step, spike_factor))
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        max_steps=max_steps,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        learning_rate=1e-3,
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        seed=seed,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    trainer.train()
+    trace = output_dir / gnmr.trace_file
+    summary, plot_paths = report(trace, output_dir, plots=plots)
+    return {"trainer": trainer, "callback": callback, "summary": summary, "plots": plot_paths, "trace": trace}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(GNMRConfig, prog="gnmr-hf demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output_dir", default="runs/demo", help="Where the model, trace, plots go.")
+    parser.add_argument("--max_steps", type=int, default=40)
+    parser.add_argument("--spike_step", type=int, default=20, help="Optimizer step of the injected spike (0 = none).")
+    parser.add_argument("--spike_factor", type=float, default=100.0)
+    parser.add_argument("--spike_module", default="model.layers.1.mlp.down_proj")
+    parser.add_argument("--seed", type=int, default=0)
+    defaults = dict(max_active=2, lock_steps=4, window=4, min_history=4)
+    parser.set_defaults(**defaults)
+    (gnmr, extra) = parser.parse_args_into_dataclasses(args=argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    result = run_demo(
+        extra.output_dir,
+        max_steps=extra.max_steps,
+        gnmr=gnmr,
+        spike_module=extra.spike_module,
+        spike_step=extra.spike_step,
+        spike_factor=extra.spike_factor,
+        seed=extra.seed,
+    )
+    print(result["summary"].format())
+    print(f"trace: {result['trace']}")
+    for path in result["plots"]:
+        print(f"plot:  {path}")
+    return 0

@@ -1,0 +1,105 @@
+"""`gnmr-hf report TRACE`: the summary of a decision trace, and its plots.
+
+Two PNG files next to the trace (or in `--out`):
+- `gnmr_recovery.png`: a units x steps heatmap, dark where a unit ran in recovery, with risky steps marked;
+- `gnmr_scores.png`: the risk timelines of the units that spent longest in recovery, against the threshold 1
+  (risk is max(GNMR/alpha, DGNMR/beta), so 1 is the risky line for both scores).
+
+matplotlib is imported only here, and only when plots are asked for (`pip install gnmr-hf[plot]`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .trace import TraceSummary, iter_scores
+
+__all__ = ["plot_trace", "report"]
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError("gnmr-hf report: plots need matplotlib; `pip install gnmr-hf[plot]`") from err
+    matplotlib.use("Agg")  # files only: never open a window, works headless and on CI
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_trace(
+    header: dict[str, Any],
+    steps: list[dict[str, Any]],
+    summary: TraceSummary,
+    out_dir: str | os.PathLike[str],
+    top_k: int = 8,
+) -> list[Path]:
+    """Write the heatmap and the score timelines; return their paths."""
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = list(header["units"])
+    step_ids = [r["step"] for r in steps]
+    grid = np.zeros((len(names), max(len(steps), 1)))
+    risky_x, risky_y = [], []
+    for col, record in enumerate(steps):
+        grid[record["active"], col] = 1.0
+        risky_x += [col] * len(record["risky"])
+        risky_y += record["risky"]
+
+    fig, ax = plt.subplots(figsize=(10, max(3.0, 0.18 * len(names) + 1.5)))
+    extent = (step_ids[0] - 0.5, step_ids[-1] + 0.5, len(names) - 0.5, -0.5) if steps else None
+    ax.imshow(grid, aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest", extent=extent)
+    if risky_x:
+        ax.scatter([step_ids[c] for c in risky_x], risky_y, marker="x", s=12, c="tab:red", label="risky")
+        ax.legend(loc="upper right")
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=6)
+    ax.set_xlabel("optimizer step (decision made at this step, applied from the next)")
+    ax.set_title(
+        f"GNMR recovery: {summary.recovery_fraction:.2%} of unit-steps, max_active={header['config']['max_active']}"
+    )
+    fig.tight_layout()
+    heatmap = out_dir / "gnmr_recovery.png"
+    fig.savefig(heatmap, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    top = [n for n, _, _ in summary.top_units(top_k)]
+    for name in top:
+        points = list(iter_scores(steps, names.index(name)))
+        if points:
+            xs, ys = zip(*points, strict=False)
+            ax.plot(xs, [min(y, 1e6) for y in ys], marker=".", label=name)
+    ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="risky above 1")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("risk = max(GNMR/alpha, DGNMR/beta)")
+    ax.set_title("Risk of the units longest in recovery (points where they were among the top scores)")
+    if top:
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    scores = out_dir / "gnmr_scores.png"
+    fig.savefig(scores, dpi=120)
+    plt.close(fig)
+    return [heatmap, scores]
+
+
+def report(
+    trace: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    plots: bool = True,
+    top_k: int = 8,
+) -> tuple[TraceSummary, list[Path]]:
+    """Summarize a trace (and plot it unless `plots=False`); returns the summary and the plot paths."""
+    summary, header, steps = TraceSummary.from_trace(trace)
+    paths: list[Path] = []
+    if plots:
+        paths = plot_trace(header, steps, summary, out_dir if out_dir is not None else Path(trace).parent, top_k)
+    return summary, paths

@@ -1,0 +1,238 @@
+"""The decision trace: one JSON line per optimizer step, and the summary computed from it.
+
+The trace is the record of what GNMR did and why: which units ran in recovery, which entered and left, which
+were risky, the riskiest scores and the thresholds. It is compact (indices, not masks: a quiet step of a
+10k-unit model is a few dozen bytes) and append-only, flushed every step so a crash loses nothing. The first
+line is a header with the unit names, so a trace can be read without the model.
+
+`TraceSummary` is fed either live (by the callback, from `HostDecision`s) or from a trace file (by
+`gnmr-hf report`); both give the same numbers because both go through `TraceSummary.add`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .controller import HostDecision
+
+__all__ = ["TraceSummary", "TraceWriter", "read_trace"]
+
+TRACE_VERSION = 1
+
+
+def decision_record(decision: HostDecision) -> dict[str, Any]:
+    """The JSON-safe trace line for one step."""
+    return {
+        "type": "step",
+        "step": decision.step,
+        "active": decision.active.tolist(),
+        "entered": decision.entered.tolist(),
+        "exited": decision.exited.tolist(),
+        "risky": decision.risky.tolist(),
+        "n_eligible": decision.n_eligible,
+        "n_candidates": decision.n_candidates,
+        "max_score": None if np.isnan(decision.max_score) else _json_float(decision.max_score),
+        "top": [[int(i), _json_float(s)] for i, s in zip(decision.top_units, decision.top_scores, strict=False)],
+        "alpha": decision.alpha,
+        "beta": decision.beta,
+    }
+
+
+def _json_float(x: float) -> float | str:
+    # Strict JSON has no infinity; a non-finite gradient gives risk +inf, written as the string "inf".
+    return float(x) if np.isfinite(x) else "inf"
+
+
+class TraceWriter:
+    """Appends decision records to a JSONL file; resuming truncates what came after the resumed step."""
+
+    def __init__(self, path: str | os.PathLike[str], header: dict[str, Any], resume_step: int = 0) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept: list[str] = []
+        if resume_step > 0 and self.path.exists():
+            # Keep the header and steps <= resume_step: the resumed run rewrites what followed.
+            with self.path.open() as f:
+                for line in f:
+                    record = json.loads(line)
+                    if record.get("type") == "header" or record.get("step", 0) <= resume_step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        self._file = self.path.open("w")
+        if kept:
+            self._file.writelines(kept)
+        else:
+            self._write({"type": "header", "version": TRACE_VERSION, **header})
+        self._file.flush()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def write(self, decision: HostDecision) -> None:
+        self._write(decision_record(decision))
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Return (header, step records) of a trace file, with a clear error for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"read_trace: no trace file at {path}")
+    header: dict[str, Any] | None = None
+    steps: list[dict[str, Any]] = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"read_trace: {path}:{lineno} is not JSON: {err}") from None
+            if record.get("type") == "header":
+                header = record
+            elif record.get("type") == "step":
+                steps.append(record)
+            else:
+                raise ValueError(f"read_trace: {path}:{lineno} has unknown record type {record.get('type')!r}")
+    if header is None:
+        raise ValueError(f"read_trace: {path} has no header line; is it a gnmr-hf trace?")
+    return header, steps
+
+
+@dataclass
+class TraceSummary:
+    """Running totals over a decision stream: recovery fraction, flip rate, top units."""
+
+    unit_names: list[str]
+    steps: int = 0
+    active_unit_steps: int = 0
+    flips: int = 0
+    risky_unit_steps: int = 0
+    over_budget_steps: int = 0
+    max_active_seen: int = 0
+    recovery_steps: np.ndarray = field(default=None)  # type: ignore[assignment]
+    risky_steps: np.ndarray = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        n = len(self.unit_names)
+        if self.recovery_steps is None:
+            self.recovery_steps = np.zeros(n, dtype=np.int64)
+        if self.risky_steps is None:
+            self.risky_steps = np.zeros(n, dtype=np.int64)
+
+    def add(self, active: Any, entered: Any, exited: Any, risky: Any) -> None:
+        """Count one step; the arguments are index arrays (or lists) of units."""
+        active = np.asarray(active, dtype=np.int64)
+        risky = np.asarray(risky, dtype=np.int64)
+        self.steps += 1
+        self.active_unit_steps += len(active)
+        self.flips += len(entered) + len(exited)
+        self.risky_unit_steps += len(risky)
+        self.over_budget_steps += int(len(np.setdiff1d(risky, active)) > 0)
+        self.max_active_seen = max(self.max_active_seen, len(active))
+        self.recovery_steps[active] += 1
+        self.risky_steps[risky] += 1
+
+    def add_record(self, record: dict[str, Any]) -> None:
+        self.add(record["active"], record["entered"], record["exited"], record["risky"])
+
+    @property
+    def recovery_fraction(self) -> float:
+        """Fraction of unit-steps spent in recovery."""
+        total = self.steps * len(self.unit_names)
+        return self.active_unit_steps / total if total else 0.0
+
+    @property
+    def flips_per_1k_steps(self) -> float:
+        return 1000.0 * self.flips / self.steps if self.steps else 0.0
+
+    def top_units(self, k: int = 10) -> list[tuple[str, int, int]]:
+        """(name, steps in recovery, steps risky) of the k units longest in recovery; ties by unit order."""
+        order = np.lexsort((np.arange(len(self.unit_names)), -self.risky_steps, -self.recovery_steps))
+        rows = [(self.unit_names[i], int(self.recovery_steps[i]), int(self.risky_steps[i])) for i in order[:k]]
+        return [row for row in rows if row[1] or row[2]]
+
+    def as_dict(self, k: int = 10) -> dict[str, Any]:
+        return {
+            "units": len(self.unit_names),
+            "steps": self.steps,
+            "recovery_fraction": self.recovery_fraction,
+            "flips": self.flips,
+            "flips_per_1k_steps": self.flips_per_1k_steps,
+            "risky_unit_steps": self.risky_unit_steps,
+            "steps_with_risky_units_left_out": self.over_budget_steps,
+            "max_active_seen": self.max_active_seen,
+            "top_units": [{"name": n, "recovery_steps": r, "risky_steps": s} for n, r, s in self.top_units(k)],
+        }
+
+    def format(self, k: int = 10) -> str:
+        """A plain-text table for the console."""
+        lines = [
+            "GNMR summary",
+            f"  units                          {len(self.unit_names)}",
+            f"  optimizer steps                {self.steps}",
+            f"  unit-steps in recovery         {self.recovery_fraction:.4%}",
+            f"  flips per 1,000 steps          {self.flips_per_1k_steps:.1f}",
+            f"  most units in recovery at once {self.max_active_seen}",
+            f"  steps with risky units left out by the budget {self.over_budget_steps}",
+        ]
+        top = self.top_units(k)
+        if top:
+            width = max(len(n) for n, _, _ in top)
+            lines.append("  top units (steps in recovery, steps risky):")
+            lines += [f"    {n:<{width}}  {r:>6}  {s:>6}" for n, r, s in top]
+        else:
+            lines.append("  no unit was risky or in recovery")
+        return "\n".join(lines)
+
+    def state(self) -> dict[str, Any]:
+        """JSON-safe totals, saved in checkpoints so a resumed run's summary covers the whole run."""
+        return {
+            "steps": self.steps,
+            "active_unit_steps": self.active_unit_steps,
+            "flips": self.flips,
+            "risky_unit_steps": self.risky_unit_steps,
+            "over_budget_steps": self.over_budget_steps,
+            "max_active_seen": self.max_active_seen,
+            "recovery_steps": self.recovery_steps.tolist(),
+            "risky_steps": self.risky_steps.tolist(),
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for key in (
+            "steps",
+            "active_unit_steps",
+            "flips",
+            "risky_unit_steps",
+            "over_budget_steps",
+            "max_active_seen",
+        ):
+            setattr(self, key, int(state[key]))
+        self.recovery_steps = np.asarray(state["recovery_steps"], dtype=np.int64)
+        self.risky_steps = np.asarray(state["risky_steps"], dtype=np.int64)
+
+    @classmethod
+    def from_trace(cls, path: str | os.PathLike[str]) -> tuple[TraceSummary, dict[str, Any], list[dict[str, Any]]]:
+        header, steps = read_trace(path)
+        summary = cls(unit_names=list(header["units"]))
+        for record in steps:
+            summary.add_record(record)
+        return summary, header, steps
+
+
+def iter_scores(steps: list[dict[str, Any]], unit: int) -> Iterator[tuple[int, float]]:
+    """(step, risk) of one unit wherever it was among the trace's top-k scores."""
+    for record in steps:
+        for i, s in record["top"]:
+            if i == unit:
+                yield record["step"], float(s)

@@ -1,0 +1,333 @@
+"""GNMRCallback and GNMRTrainer in a real transformers Trainer on a real bitsandbytes INT8 + peft LoRA model (CPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from gnmr_hf import GNMRCallback, GNMRConfig, GNMRTrainer
+from gnmr_hf.demo import GradientSpikeCallback, byte_dataset
+from gnmr_hf.tiny import load_int8_lora, write_local_text
+from gnmr_hf.trace import read_trace
+
+SPIKED = "model.layers.1.mlp.down_proj"
+SPIKE_STEP = 8
+CFG = dict(max_active=2, lock_steps=3, window=3, min_history=3, alpha=4.0, beta=4.0)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return byte_dataset(write_local_text(tmp_path_factory.mktemp("data") / "train.txt", lines=128))
+
+
+class Recorder(TrainerCallback):
+    """Records the event sequence and, at each step begin, which units are in recovery."""
+
+    def __init__(self, gnmr: GNMRCallback | None = None) -> None:
+        self.gnmr = gnmr
+        self.events: list[tuple[str, int]] = []
+        self.in_recovery_at_step: dict[int, list[str]] = {}
+        self.logs: list[dict] = []
+
+    def _ev(self, name, state):
+        self.events.append((name, state.global_step))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._ev("step_begin", state)
+        if self.gnmr is not None and self.gnmr.units:
+            step = state.global_step + 1  # the optimizer step about to run
+            self.in_recovery_at_step[step] = [u.name for u in self.gnmr.units if u.in_recovery]
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._ev("pre_optimizer_step", state)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._ev("optimizer_step", state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._ev("step_end", state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def make_trainer(
+    model_dir,
+    dataset,
+    out,
+    *,
+    gnmr: GNMRConfig | None = None,
+    max_steps: int = 14,
+    spike_step: int = SPIKE_STEP,
+    trainer_cls=Trainer,
+    callbacks=(),
+    **args,
+):
+    model = load_int8_lora(model_dir)
+    training_args = TrainingArguments(
+        output_dir=str(out),
+        use_cpu=True,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=args.pop("logging_steps", 2),
+        save_strategy=args.pop("save_strategy", "no"),
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        **args,
+    )
+    cbs = list(callbacks)
+    if spike_step:
+        cbs.append(GradientSpikeCallback(SPIKED, spike_step, 100.0))
+    kwargs = {}
+    if trainer_cls is GNMRTrainer:
+        kwargs["gnmr_config"] = gnmr or GNMRConfig(**CFG)
+    elif gnmr is not False:
+        cbs.insert(0, GNMRCallback(gnmr or GNMRConfig(**CFG)))
+    return trainer_cls(model=model, args=training_args, train_dataset=dataset, callbacks=cbs, **kwargs)
+
+
+def gnmr_of(trainer) -> GNMRCallback:
+    return next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, GNMRCallback))
+
+
+def steps_of(out) -> list[dict]:
+    return read_trace(Path(out) / "gnmr_trace.jsonl")[1]
+
+
+def test_injected_spike_is_selected_next_step_held_for_lock_steps_then_released(tiny_llama_dir, dataset, tmp_path):
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path)
+    rec = Recorder()
+    trainer.add_callback(rec)
+    trainer.train()
+    gnmr = gnmr_of(trainer)
+    rec.gnmr = gnmr
+    names = [u.name for u in gnmr.units]
+    idx = names.index(SPIKED)
+    steps = {r["step"]: r for r in steps_of(tmp_path)}
+    assert len(steps) == 14
+    # The decision made from step k's gradients selects the unit ...
+    assert idx in steps[SPIKE_STEP]["risky"]
+    assert idx in steps[SPIKE_STEP]["entered"]
+    # ... it stays for lock_steps decisions after its last risky one, then leaves.
+    lock = CFG["lock_steps"]
+    last_risky = max(s for s, r in steps.items() if idx in r["risky"])
+    for s in range(SPIKE_STEP, last_risky + lock):
+        assert idx in steps[s]["active"], s
+    assert idx in steps[last_risky + lock]["exited"]
+    assert all(idx not in steps[s]["active"] for s in range(last_risky + lock, 15))
+    # The hard budget holds at every step.
+    assert max(len(r["active"]) for r in steps.values()) <= CFG["max_active"]
+    assert all(idx not in steps[s]["active"] for s in range(1, SPIKE_STEP))
+
+
+def test_a_decision_takes_effect_from_the_next_step(tiny_llama_dir, dataset, tmp_path):
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path)
+    rec = Recorder(gnmr_of(trainer))
+    trainer.add_callback(rec)
+    trainer.train()
+    steps = {r["step"]: r for r in steps_of(tmp_path)}
+    names = [u.name for u in rec.gnmr.units]
+    # Units running in recovery during step k are exactly those chosen by the decision of step k-1.
+    for k in range(2, 15):
+        assert rec.in_recovery_at_step[k] == [names[i] for i in steps[k - 1]["active"]], k
+    assert rec.in_recovery_at_step[1] == []
+    assert SPIKED not in rec.in_recovery_at_step[SPIKE_STEP]
+    assert SPIKED in rec.in_recovery_at_step[SPIKE_STEP + 1]
+    # Event timing: each optimizer step k runs pre_optimizer_step, optimizer_step (global_step k-1), step_end (k).
+    start = rec.events.index(("step_begin", SPIKE_STEP - 1))
+    assert rec.events[start : start + 4] == [
+        ("step_begin", SPIKE_STEP - 1),
+        ("pre_optimizer_step", SPIKE_STEP - 1),
+        ("optimizer_step", SPIKE_STEP - 1),
+        ("step_end", SPIKE_STEP),
+    ]
+
+
+class PreClipRecorder(Trainer):
+    """Records every unit's gradient norm right before the Trainer clips."""
+
+    def _clip_grad_norm(self, model):
+        gnmr = gnmr_of(self)
+        norms = []
+        for unit in gnmr.units:
+            sq = sum(t.grad.float().square().sum() for t in unit.signal_tensors() if t.grad is not None)
+            norms.append(float(torch.as_tensor(sq).sqrt()))
+        self.pre_clip.append(norms)
+        total = super()._clip_grad_norm(model)
+        self.totals.append(float(total))
+        return total
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_signal_is_the_pre_clip_norm_after_accumulation(tiny_llama_dir, dataset, tmp_path, accumulation):
+    trainer = make_trainer(
+        tiny_llama_dir,
+        dataset,
+        tmp_path,
+        max_steps=10,
+        trainer_cls=PreClipRecorder,
+        gradient_accumulation_steps=accumulation,
+        max_grad_norm=1.0,
+    )
+    trainer.pre_clip, trainer.totals = [], []
+    observed = []
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            observed.append(gnmr_of(trainer)._pending[0].tolist())
+
+    trainer.add_callback(Grab())
+    trainer.train()
+    # One observation per optimizer step, whatever the accumulation.
+    assert gnmr_of(trainer).controller.step == 10
+    assert len(observed) == len(trainer.pre_clip) == 10
+    # Clipping really rescaled the gradients (the spike alone is far above max_grad_norm) ...
+    assert max(trainer.totals) > 1.0
+    # ... and the signal is the norm before it.
+    torch.testing.assert_close(torch.tensor(observed), torch.tensor(trainer.pre_clip), rtol=1e-5, atol=0)
+
+
+def test_one_device_to_host_sync_per_optimizer_step(tiny_llama_dir, dataset, tmp_path, monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = {"n": 0}
+
+    class CountScalars(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                counts["n"] += 1
+            return func(*args, **(kwargs or {}))
+
+    # Host transfers: `.cpu()`, `.tolist()`, `.item()` (`.numpy()` is a free view of a host tensor).
+    for name in ("tolist", "cpu", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=original, **k):
+            counts["n"] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    per_step: dict[str, list[int]] = {}
+
+    class Meter(TrainerCallback):
+        def __init__(self, key):
+            self.key, self.start = key, 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = counts["n"]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            per_step.setdefault(self.key, []).append(counts["n"] - self.start)
+
+    # source="dequantize": reading the checkpoint goes through safetensors, which reads its memory-mapped
+    # *host* storage with scalar reads; on CPU those look like the syncs counted here, on a GPU they are not.
+    runs = {"plain": False, "gnmr": GNMRConfig(**CFG, recovery_source="dequantize")}
+    for key, gnmr in runs.items():
+        trainer = make_trainer(
+            tiny_llama_dir, dataset, tmp_path / key, gnmr=gnmr, max_steps=8, spike_step=5, logging_steps=100
+        )
+        trainer.add_callback(Meter(key))  # last: measures every callback, GNMR's included
+        with CountScalars():
+            trainer.train()
+    extra = [g - p for g, p in zip(per_step["gnmr"], per_step["plain"], strict=False)]
+    assert len(extra) == 8
+    assert max(extra) <= 1, extra
+
+
+def test_monitor_only_scores_and_logs_but_never_flips(tiny_llama_dir, dataset, tmp_path):
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path, gnmr=GNMRConfig(**CFG, monitor_only=True))
+    rec = Recorder(gnmr_of(trainer))
+    trainer.add_callback(rec)
+    trainer.train()
+    steps = steps_of(tmp_path)
+    idx = [u.name for u in rec.gnmr.units].index(SPIKED)
+    assert idx in steps[SPIKE_STEP - 1]["active"]  # the decision is made and traced ...
+    assert all(names == [] for names in rec.in_recovery_at_step.values())  # ... but never applied
+    assert any("gnmr/max_score" in logs for logs in rec.logs)
+
+
+def test_metrics_reach_reporting_callbacks_added_before_gnmr(tiny_llama_dir, dataset, tmp_path):
+    rec = Recorder()
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path, gnmr=False, callbacks=[rec])
+    trainer.add_callback(GNMRCallback(GNMRConfig(**CFG)))  # added last, like a user would
+    trainer.train()
+    keys = {"gnmr/active", "gnmr/entered", "gnmr/exited", "gnmr/candidates", "gnmr/exceedance_rate"}
+    step_logs = [logs for logs in rec.logs if "loss" in logs]
+    assert step_logs and all(keys <= set(logs) for logs in step_logs)
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(keys <= set(h) for h in history)
+    entered = sum(h["gnmr/entered"] for h in history)
+    assert entered >= 1  # the spike entered, and the flips of every step are summed between logs
+
+
+def test_summary_and_trace_are_written(tiny_llama_dir, dataset, tmp_path):
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path)
+    trainer.train()
+    summary = json.loads((tmp_path / "gnmr_summary.json").read_text())
+    header, steps = read_trace(tmp_path / "gnmr_trace.jsonl")
+    assert summary["steps"] == len(steps) == 14
+    assert summary["top_units"][0]["name"] == SPIKED
+    active_unit_steps = sum(len(r["active"]) for r in steps)
+    assert summary["recovery_fraction"] == pytest.approx(active_unit_steps / (14 * len(header["units"])))
+    flips = sum(len(r["entered"]) + len(r["exited"]) for r in steps)
+    assert summary["flips_per_1k_steps"] == pytest.approx(1000 * flips / 14)
+    # Every unit is back on its low-cost path after training.
+    assert not any(u.in_recovery for u in gnmr_of(trainer).units)
+
+
+@pytest.mark.parametrize("restore_callback_states", [False, True])
+def test_resume_from_checkpoint_gives_identical_decisions(tiny_llama_dir, dataset, tmp_path, restore_callback_states):
+    full = tmp_path / "full"
+    make_trainer(tiny_llama_dir, dataset, full, max_steps=10, spike_step=4, save_strategy="no").train()
+    reference = steps_of(full)
+
+    run = tmp_path / "run"
+    make_trainer(tiny_llama_dir, dataset, run, max_steps=10, spike_step=4, save_strategy="steps", save_steps=5).train()
+    assert (run / "checkpoint-5" / "gnmr_state.json").is_file()
+    assert steps_of(run) == reference
+    # Drop everything after the checkpoint, as after a crash at step 7, then resume in a fresh Trainer.
+    shutil.rmtree(run / "checkpoint-10")
+    trainer = make_trainer(
+        tiny_llama_dir,
+        dataset,
+        run,
+        max_steps=10,
+        spike_step=4,
+        save_strategy="steps",
+        save_steps=5,
+        restore_callback_states_from_checkpoint=restore_callback_states,
+    )
+    trainer.train(resume_from_checkpoint=str(run / "checkpoint-5"))
+    resumed = steps_of(run)
+    assert [r["step"] for r in resumed] == list(range(1, 11))
+    # The lock taken at step 4 spans the checkpoint; steps 6-10 must match the uninterrupted run.
+    assert any(r["active"] for r in reference[4:])
+    assert resumed[5:] == reference[5:]
+    assert gnmr_of(trainer).summary.steps == 10
+
+
+def test_gnmr_trainer_matches_callback_and_lists_it_first(tiny_llama_dir, dataset, tmp_path):
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path / "t", trainer_cls=GNMRTrainer)
+    assert trainer.callback_handler.callbacks[0] is trainer.gnmr
+    trainer.train()
+    make_trainer(tiny_llama_dir, dataset, tmp_path / "c").train()
+    assert steps_of(tmp_path / "t") == steps_of(tmp_path / "c")
+
+
+def test_units_in_recovery_never_exceed_the_memory_budget(tiny_llama_dir, dataset, tmp_path):
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path, gnmr=GNMRConfig(**{**CFG, "max_active": 1}))
+    trainer.train()
+    units = gnmr_of(trainer).units
+    ledger = units[0].ledger
+    biggest = max(u.recovery_bytes() for u in units)
+    assert ledger.peak_bytes > 0
+    assert ledger.peak_bytes <= 1 * biggest
+    assert ledger.live_bytes == 0
