@@ -156,7 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         spike_factor=extra.spike_factor,
         seed=extra.seed,
     )
-    print(result["summary"].format())
+    # The callback has logged the summary at the end of training; the same report can be rebuilt any time
+    # from the trace with `gnmr-hf report TRACE`.
     print(f"trace: {result['trace']}")
     for path in result["plots"]:
         print(f"plot:  {path}")

@@ -78,6 +78,7 @@ def plot_trace(
             ax.plot(xs, [min(y, 1e6) for y in ys], marker=".", label=name)
     ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="risky above 1")
     ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_ylim(bottom=0.0)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("risk = max(GNMR/alpha, DGNMR/beta)")
     ax.set_title("Risk of the units longest in recovery (points where they were among the top scores)")

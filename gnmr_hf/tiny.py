@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TINY_LLAMA", "build_tiny_llama", "load_int8_lora", "write_local_text"]
+__all__ = ["TINY_LLAMA", "build_tiny_llama", "char_tokenizer", "load_int8_lora", "write_local_text"]
 
 TINY_LLAMA = dict(
     vocab_size=256,
@@ -68,3 +68,16 @@ def write_local_text(path: str | Path, lines: int = 256, seed: int = 0) -> Path:
             words = [rng.choice(subjects), rng.choice(verbs), rng.choice(objects)]
             f.write(" ".join(words) + ".\n")
     return path
+
+
+def char_tokenizer():
+    """A character-level `PreTrainedTokenizerFast` (printable ASCII, ids < 127) built offline, for trainers that
+    insist on a tokenizer (trl's SFTTrainer); it fits the tiny LLaMA's 256-token vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(32, 127)}
+    vocab.update({"<pad>": 0, "<unk>": 1, "<eos>": 2})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
