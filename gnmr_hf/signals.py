@@ -3,8 +3,8 @@
 A unit's signal is the L2 norm of the gradients of its signal tensors (for LoRA: lora_A and lora_B of every
 active adapter) taken together: sqrt(sum_j ||g_j||^2). Computing that with a Python loop of `.norm()` calls
 would launch one kernel per tensor and, worse, tempt `.item()` calls. Instead all gradients go through one
-`torch._foreach_norm` (a multi-tensor kernel on GPU), the per-tensor squares are summed into their units with a
-single `index_add_`, and the result stays on the device for the controller.
+`torch._foreach_norm` (a multi-tensor kernel on GPU), the per-tensor squares are summed into their units in one
+fixed-order reduction, and the result stays on the device for the controller.
 
 A unit none of whose tensors has a gradient this step (a layer that was not used, a frozen branch) is reported
 as *missing*: its norm is NaN and `missing[i]` is True, so the controller skips it instead of reading a zero
@@ -49,27 +49,38 @@ class UnitSignals:
             device = first.device
         self.device = torch.device(device)
         self._owner_host = owner
-        self.owner = torch.tensor(owner, dtype=torch.long, device=self.device)
+        # Each tensor gets its own slot in an [N, M] grid (M = most tensors of one unit), so the per-unit sum
+        # is a plain `sum(dim=1)`: deterministic on every device, unlike `index_add_`, whose CUDA kernel adds
+        # in a nondeterministic order (and decisions must be a pure function of the gradients).
+        width = max((owner.count(i) for i in set(owner)), default=1)
+        slots, seen = [], [0] * len(self.units)
+        for i in owner:
+            slots.append(i * width + seen[i])
+            seen[i] += 1
+        self._width = width
+        self._slots = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self._same_device = all(t.device == self.device for t in self.tensors)
+        self._none_missing = torch.zeros(len(self.units), dtype=torch.bool, device=self.device)
         self.num_units = len(self.units)
 
     @torch.no_grad()
     def compute(self, process_group: object | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (norms float32 [N], missing bool [N]); norms are NaN where missing. No host sync."""
-        sq = torch.zeros(self.num_units, dtype=torch.float32, device=self.device)
+        grid = torch.zeros(self.num_units * self._width, dtype=torch.float32, device=self.device)
         has_grad = [False] * self.num_units
-        grads, owners = [], []
+        grads, present = [], []
         for j, tensor in enumerate(self.tensors):
             if tensor.grad is not None:
                 grads.append(tensor.grad)
-                owners.append(j)
+                present.append(j)
+                has_grad[self._owner_host[j]] = True
         if grads:
-            owner_idx = self.owner if len(owners) == len(self.tensors) else self.owner[owners]
             # Norms in float32 whatever the gradient dtype: bf16 squares lose the small terms of a sum.
             norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-            per_tensor = torch.stack([n.to(self.device) for n in norms])
-            sq.index_add_(0, owner_idx, per_tensor.square())
-            for j in owners:
-                has_grad[self._owner_host[j]] = True
+            per_tensor = torch.stack(norms if self._same_device else [n.to(self.device) for n in norms])
+            slots = self._slots if len(present) == len(self.tensors) else self._slots[present]
+            grid[slots] = per_tensor.square()
+        sq = grid.view(self.num_units, self._width).sum(dim=1)
         for i, meter in self.meters:
             value = meter.take()
             if value is not None:
@@ -77,5 +88,7 @@ class UnitSignals:
                 has_grad[i] = True
         if process_group is not None:
             torch.distributed.all_reduce(sq, group=process_group)
+        if all(has_grad):
+            return sq.sqrt_(), self._none_missing
         missing = torch.tensor([not h for h in has_grad], dtype=torch.bool).to(self.device, non_blocking=True)
-        return sq.sqrt().masked_fill_(missing, torch.nan), missing
+        return sq.sqrt_().masked_fill_(missing, torch.nan), missing

@@ -12,6 +12,7 @@ line is a header with the unit names, so a trace can be read without the model.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,8 +39,10 @@ def decision_record(decision: HostDecision) -> dict[str, Any]:
         "risky": decision.risky.tolist(),
         "n_eligible": decision.n_eligible,
         "n_candidates": decision.n_candidates,
-        "max_score": None if np.isnan(decision.max_score) else _json_float(decision.max_score),
-        "top": [[int(i), _json_float(s)] for i, s in zip(decision.top_units, decision.top_scores, strict=False)],
+        "max_score": None if math.isnan(decision.max_score) else _json_float(decision.max_score),
+        "top": [
+            [i, _json_float(s)] for i, s in zip(decision.top_units.tolist(), decision.top_scores.tolist(), strict=True)
+        ],
         "alpha": decision.alpha,
         "beta": decision.beta,
     }
@@ -47,7 +50,7 @@ def decision_record(decision: HostDecision) -> dict[str, Any]:
 
 def _json_float(x: float) -> float | str:
     # Strict JSON has no infinity; a non-finite gradient gives risk +inf, written as the string "inf".
-    return float(x) if np.isfinite(x) else "inf"
+    return x if x != math.inf else "inf"
 
 
 class TraceWriter:
