@@ -105,7 +105,7 @@ def test_compute_makes_no_host_sync():
 
 
 def test_a_unit_without_any_signal_is_rejected():
-    layers, units = make()
+    _, units = make()
     units[1]._tensors = []
     with pytest.raises(ValueError, match="'l1' has no signal tensors"):
         UnitSignals(units)
