@@ -141,7 +141,8 @@ class TraceSummary:
         self.active_unit_steps += len(active)
         self.flips += len(entered) + len(exited)
         self.risky_unit_steps += len(risky)
-        self.over_budget_steps += int(len(np.setdiff1d(risky, active)) > 0)
+        if len(risky):  # a risky unit outside the active set was left out by the budget
+            self.over_budget_steps += int(not np.isin(risky, active).all())
         self.max_active_seen = max(self.max_active_seen, len(active))
         self.recovery_steps[active] += 1
         self.risky_steps[risky] += 1
