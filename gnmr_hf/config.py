@@ -60,9 +60,7 @@ class GNMRConfig:
     )
     min_history: int = field(
         default=4,
-        metadata={
-            "help": "Warm-up: a unit gets a GNMR score only after this many finite past norms (>= 1)."
-        },
+        metadata={"help": "Warm-up: a unit gets a GNMR score only after this many finite past norms (>= 1)."},
     )
     threshold_schedule: str = field(
         default="constant",
@@ -81,9 +79,7 @@ class GNMRConfig:
         default=0, metadata={"help": "Length of the threshold schedule in optimizer steps (>= 1 if used)."}
     )
     # Integration knobs: the controller ignores these, the callback reads them.
-    backend: str = field(
-        default="bnb_int8", metadata={"help": f"Which units to manage; one of {_BACKENDS}."}
-    )
+    backend: str = field(default="bnb_int8", metadata={"help": f"Which units to manage; one of {_BACKENDS}."})
     recovery_source: str = field(
         default="auto",
         metadata={
