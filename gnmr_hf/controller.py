@@ -1,10 +1,11 @@
 """The GNMR controller: a state machine over a vector of N per-unit gradient norms.
 
-Every optimizer step the caller hands `observe()` one 1-D tensor of N norms (one per recoverable unit) and gets
-back a `Decision`: which units run on the recovery (high-fidelity) path from the next step on. The controller
-knows nothing about INT8, bits or transformers; it is pure torch so that it runs on the norms' device, and it is
-vectorized: the cost of a step is a fixed number of tensor ops whatever N is, with no Python loop over units and
-no device-to-host transfer. The one transfer a caller needs to act on a decision is `Decision.to_host()`.
+Every optimizer step the caller hands `observe()` one 1-D tensor of N norms (one per recoverable unit) and
+gets back a `Decision`: which units run on the recovery (high-fidelity) path from the next step on. The
+controller knows nothing about INT8, bits or transformers; it is pure torch so that it runs on the norms'
+device, and it is vectorized: a step is a fixed number of tensor ops whatever N is, with no Python loop over
+units and no device-to-host transfer. The one transfer a caller needs to act on a decision is
+`Decision.to_host()`.
 
 The method (arXiv 2606.00539, see docs/method.md), per unit i with norm n_t at step t:
 
@@ -16,35 +17,47 @@ The method (arXiv 2606.00539, see docs/method.md), per unit i with norm n_t at s
 
 The decisions the paper leaves open, each with its reason in docs/method.md:
 
-- Warm-up: GNMR needs `min_history` finite past norms and a positive mean; DGNMR needs a full window of
-  `window` past GNMR values. Until then the score is NaN and the unit cannot be risky through it.
-- Ranking: risk = max(GNMR / alpha_t, DGNMR / beta_t), so each score is measured in units of its own threshold
-  and a unit is risky exactly when risk > 1. Risky units outrank locked-but-stable units; ties go to the lower
-  unit index (the order of `find_units`), so a decision is a pure function of the norm stream.
+- Warm-up: GNMR needs `min_history` finite past norms and a positive mean; DGNMR needs the GNMR of each of
+  the last `window` steps (the window is indexed by step: a step without a score restarts it). Until then
+  the score is NaN and the unit cannot be risky through it.
+- Ranking: risk = max(GNMR / alpha_t, DGNMR / beta_t), so each score is measured in units of its own
+  threshold and a unit is risky exactly when risk > 1. Risky units outrank locked-but-stable units; ties go
+  to the lower unit index (the order of `find_units`), so a decision is a pure function of the norm stream.
 - Non-finite norms (inf, NaN) and negative ones: risk = +inf (always risky, even during warm-up, since a
   non-finite gradient is a failure whatever the history), never added to the history.
 - Missing units (no gradient this step): not scored, not added to the history, not risky; their lock still
   counts down, because the lock is measured in optimizer steps.
-- Preemption: when more candidates than `max_active` exist, the ones left out lose their lock and go back to
-  the low-cost path; if they are still risky at the next step they compete again on their score.
+- Preemption: when more candidates than `max_active` exist, the ones left out lose their lock and go back
+  to the low-cost path; if they are still risky at the next step they compete again on their score.
 - History is float64, so a cumulative mean over 10^6 steps keeps ~10 significant digits.
+- The decision made from step t's norms takes effect from step t + 1.
+
+Cost (docs/performance.md has the numbers): at N = 10^5 a step is bound by memory traffic and by the few
+CPU kernels that do not vectorize (comparisons into bool, `where`, `masked_fill`: ~3x a float add), not by
+arithmetic. So the step avoids full-size temporaries (scratch buffers are reused), replaces masks by NaN
+propagation or small-integer arithmetic where the result is bit-identical, keeps the window sum without
+re-reading the window (`_advance_window`), and selects the top `max_active` with a blocked stable sort
+(`_topk.TopK`) instead of `torch.topk`, which is both slower and not deterministic among ties.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from ._topk import TopK
 from .config import GNMRConfig
 
 __all__ = ["Decision", "GNMRController", "HostDecision"]
 
-_STATE_VERSION = 1
-_TENSOR_STATE = ("norm_sum", "norm_count", "gnmr_ring", "gnmr_streak", "locks", "active")
+_STATE_VERSION = 2
+_TENSOR_STATE = ("norm_sum", "norm_count", "gnmr_ring", "window_prefix", "locks")
 
 
 @dataclass(frozen=True)
@@ -74,8 +87,10 @@ class HostDecision:
 class Decision:
     """One step's decision, as tensors on the controller's device (no host sync was needed to make it).
 
-    Masks are bool [N]; scores are float64 [N] with NaN where a unit has no score this step.
-    `active` is the set that runs in recovery from step `step + 1` on.
+    Masks are bool [N]; scores are float64 [N] with NaN where a unit has no score this step; `risk` is 0 for
+    unscored units and +inf for non-finite norms. `active` is the set that runs in recovery from step
+    `step + 1` on; `locks` (int32 [N]) is each unit's lock after this step. The tensors are never modified
+    afterwards, so a `Decision` stays valid after later steps.
     """
 
     step: int
@@ -93,48 +108,82 @@ class Decision:
     locks: torch.Tensor
 
     def to_host(self, top_k: int = 0) -> HostDecision:
-        """Copy what the caller acts on to the host in ONE transfer (one sync per optimizer step)."""
+        """Copy what the caller acts on to the host in ONE transfer (one sync per optimizer step).
+
+        Args:
+            top_k: also fetch the `top_k` riskiest scored units (largest risk first, ties to the lower index).
+        """
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"Decision.to_host: top_k must be an int >= 0, got {top_k!r}")
         n = self.active.numel()
         k = min(top_k, n)
-        # Pack masks as bit flags in one float64 vector with the stats and the top-k, so that a single
-        # `.cpu()` moves everything; separate `.item()` calls would each stall the device.
-        flags = (
-            self.active.double()
-            + 2 * self.entered.double()
-            + 4 * self.exited.double()
-            + 8 * self.risky.double()
-        )
-        scored_risk = torch.where(self.eligible | torch.isinf(self.risk), self.risk, -1.0)
-        stats = torch.stack(
-            [
-                self.eligible.sum().double(),
-                self.candidates.sum().double(),
-                torch.where(self.eligible.any() | torch.isinf(self.risk).any(), scored_risk.max(), torch.nan),
-            ]
-        )
-        parts = [flags, stats]
+        u8 = torch.uint8
+        # Scored units (a score, or a broken norm: risk +inf) keep their risk, the others get risk - 1 = -1,
+        # below every real risk (>= 0). Subtracting 0 leaves a risk bit-exact, so this needs no `where`.
+        unscored = (~self.eligible).view(u8)
         if k:
-            top = torch.topk(scored_risk, k)
-            parts += [top.indices.double(), top.values]
+            top = _top_k(n, k, self.active.device)
+            torch.sub(self.risk, unscored, out=top.key)
+            top_idx = top.indices()
+            top_val = top.key[top_idx]
+            best = top_val[:1]
+        else:
+            top_idx = top_val = torch.empty(0, dtype=torch.int64, device=self.active.device)
+            best = torch.sub(self.risk, unscored).max().reshape(1)
+        counts = torch.stack([torch.count_nonzero(self.eligible), torch.count_nonzero(self.candidates)])
+        # Bit flags by multiply-add (the masks are 0/1 bytes), ~2x cheaper on a CPU than shifts and ors.
+        flags = torch.add(self.active.view(u8), self.entered.view(u8), alpha=2)
+        flags.add_(self.exited.view(u8), alpha=4).add_(self.risky.view(u8), alpha=8)
+        # Everything goes into one byte buffer (8-byte values first, so their host views stay aligned, then
+        # one flag byte per unit), so that a single `.cpu()` moves it; separate `.item()` or `.cpu()` calls
+        # would each stall the device.
+        parts = [best.view(u8), top_val.view(u8), top_idx.view(u8), counts.view(u8), flags]
         packed = torch.cat(parts).cpu().numpy()
-        flags_h = packed[:n].astype(np.int64)
-        top_idx = packed[n + 3 : n + 3 + k].astype(np.int64)
-        top_val = packed[n + 3 + k : n + 3 + 2 * k]
-        keep = top_val >= 0  # drop unscored units from the top list
+        words = packed[: 8 * (3 + 2 * k)]
+        best_h = float(words[:8].view(np.float64)[0])
+        top_val_h = words[8 : 8 * (1 + k)].view(np.float64)
+        top_idx_h = words[8 * (1 + k) : 8 * (1 + 2 * k)].view(np.int64)
+        counts_h = words[8 * (1 + 2 * k) :].view(np.int64)
+        # Few units have a flag: find them in one pass, then split by bit.
+        flags_h = packed[8 * (3 + 2 * k) :]
+        flagged = np.flatnonzero(flags_h != 0)  # numpy's fast nonzero path is for bool arrays (10x)
+        bits = flags_h[flagged]
+        keep = top_val_h >= 0  # drop unscored units from the top list
         return HostDecision(
             step=self.step,
-            active=np.flatnonzero(flags_h & 1),
-            entered=np.flatnonzero(flags_h & 2),
-            exited=np.flatnonzero(flags_h & 4),
-            risky=np.flatnonzero(flags_h & 8),
-            n_eligible=int(packed[n]),
-            n_candidates=int(packed[n + 1]),
-            max_score=float(packed[n + 2]),
-            top_units=top_idx[keep],
-            top_scores=top_val[keep],
+            active=flagged[(bits & 1) != 0],
+            entered=flagged[(bits & 2) != 0],
+            exited=flagged[(bits & 4) != 0],
+            risky=flagged[(bits & 8) != 0],
+            n_eligible=int(counts_h[0]),
+            n_candidates=int(counts_h[1]),
+            max_score=best_h if best_h >= 0 else math.nan,
+            top_units=top_idx_h[keep],
+            top_scores=top_val_h[keep],
             alpha=self.alpha,
             beta=self.beta,
         )
+
+
+@functools.lru_cache(maxsize=8)
+def _top_k(n: int, k: int, device: torch.device) -> TopK:
+    """A reusable TopK for `Decision.to_host` (its buffers are filled and consumed within one call)."""
+    return TopK(n, k, device)
+
+
+class _Scratch:
+    """Preallocated buffers for a step's intermediates (see `GNMRController.__init__`)."""
+
+    def __init__(self, n: int, lock_dtype: torch.dtype, device: torch.device) -> None:
+        self.norms = torch.empty(n, dtype=torch.float64, device=device)
+        self.f64_a = torch.empty(n, dtype=torch.float64, device=device)
+        self.f64_b = torch.empty(n, dtype=torch.float64, device=device)
+        self.valid = torch.empty(n, dtype=torch.bool, device=device)
+        self.bad = torch.empty(n, dtype=torch.bool, device=device)
+        self.bool_a = torch.empty(n, dtype=torch.bool, device=device)
+        self.offset = torch.empty(n, dtype=torch.int8, device=device)
+        self.lock_a = torch.empty(n, dtype=lock_dtype, device=device)
+        self.lock_b = torch.empty(n, dtype=lock_dtype, device=device)
 
 
 class GNMRController:
@@ -144,6 +193,11 @@ class GNMRController:
         config: the policy (`max_active`, `lock_steps`, `window`, `alpha`, `beta`, `min_history`, schedule).
         num_units: N, fixed for the controller's life (a changed N is an error, not a silent reset).
         device: where the state lives; `observe()` takes norms on this device.
+
+    State (see `state_dict()`): `norm_sum` and `norm_count` (float64, the history of finite norms);
+    `gnmr_ring` and `window_prefix` (float64, the last `window` GNMR values, see `_advance_window`); `locks`
+    (uint8, or int32 when `lock_steps` > 255). `active` is derived: a unit is in recovery exactly when its
+    lock is > 0.
     """
 
     def __init__(self, config: GNMRConfig, num_units: int, device: torch.device | str = "cpu") -> None:
@@ -155,19 +209,83 @@ class GNMRController:
         self.num_units = num_units
         self.device = torch.device(device)
         self.step = 0
-        f64, i64 = dict(dtype=torch.float64, device=self.device), dict(dtype=torch.int64, device=self.device)
-        i32 = dict(dtype=torch.int32, device=self.device)
+        f64 = dict(dtype=torch.float64, device=self.device)
         self.norm_sum = torch.zeros(num_units, **f64)
-        self.norm_count = torch.zeros(num_units, **i64)
-        self.gnmr_ring = torch.zeros(config.window, num_units, **f64)
-        self.gnmr_streak = torch.zeros(num_units, **i64)
-        self.locks = torch.zeros(num_units, **i32)
-        self.active = torch.zeros(num_units, dtype=torch.bool, device=self.device)
+        # Counts are float64 (exact up to 2^53) so that the mean is a float64 op with no int->float promotion.
+        self.norm_count = torch.zeros(num_units, **f64)
+        # NaN marks a step without a score. It propagates through the window sums, so DGNMR stays NaN until
+        # `window` scored steps in a row have refilled the window: the "full window" rule, with no counter.
+        self.gnmr_ring = torch.full((config.window, num_units), torch.nan, **f64)
+        self.window_prefix = torch.full((num_units,), torch.nan, **f64)
+        # Locks are small counters; one byte each makes their arithmetic ~4x cheaper than int32 on a CPU.
+        self._lock_dtype = torch.uint8 if config.lock_steps <= 255 else torch.int32
+        self.locks = torch.zeros(num_units, dtype=self._lock_dtype, device=self.device)
+        self._window_sum = torch.empty(num_units, **f64)
+        self._topk = TopK(num_units, config.max_active, self.device)
+        # Scratch for the step's intermediates that are not part of the `Decision`. Allocating them afresh
+        # every step costs more than the arithmetic at large N on a CPU: glibc returns the freed top of the
+        # heap to the OS and the next step page-faults it back (~200 faults, ~0.3 ms per step at N=10^5).
+        self._scratch = _Scratch(num_units, self._lock_dtype, self.device)
+        self._warm = torch.empty(num_units, dtype=torch.bool, device=self.device)
+        self._derive()
+
+    def _derive(self) -> None:
+        """Recompute the derived state (after construction or `load_state_dict`)."""
+        self.active = self.locks > 0
+        self._update_warm()
+        last = (self.step - 1) % self.config.window
+        if last == self.config.window - 1:
+            self._window_sum.copy_(self.window_prefix)
+        else:
+            torch.add(self.gnmr_ring[last + 1], self.window_prefix, out=self._window_sum)
+
+    def _update_warm(self) -> None:
+        """`_warm`: the unit has `min_history` finite past norms and a positive sum, so it gets a GNMR score.
+
+        Written with arithmetic and a float->bool cast (a nonzero test) rather than two comparisons: on a
+        CPU the comparison kernels cost ~3x a vectorized float op per element. `norm_count` holds integers,
+        so `count - (min_history - 1)` clamped to [0, 1] is 1 exactly when count >= min_history.
+        """
+        scratch = self._scratch
+        count_ok = torch.sub(self.norm_count, self.config.min_history - 1, out=scratch.f64_a).clamp_(0.0, 1.0)
+        self._warm.copy_(count_ok).logical_and_(scratch.bool_a.copy_(self.norm_sum))
+
+    def _advance_window(self, t: int, gnmr: torch.Tensor) -> None:
+        """Add step t's GNMR to the window and leave in `_window_sum` the sum of the last `window` values.
+
+        Summing the `window` ring rows every step reads window x N float64 values (at N=10^5, window=8: 6.4 MB,
+        more than the rest of the step). A running sum (add the new value, subtract the one leaving) reads 2
+        rows but is not exact: after a huge GNMR (e.g. a unit whose norm starts near 0, like LoRA's A matrix)
+        leaves the window, the cancellation error can exceed the remaining sum and fake a spike. Instead the
+        steps are cut into blocks of `window` steps, and the window = (a suffix of the previous block) + (a
+        prefix of the current block), all sums of non-negative values (no cancellation, error <= window ulps):
+
+        - `window_prefix`: sum of the current block so far (one add per step);
+        - `gnmr_ring[j]`: the raw GNMR at position j of the current block for j <= position, and for j > it the
+          suffix sum of positions j..window-1 of the previous block, written in place when that block ended.
+
+        Each step costs two adds; the last step of a block also turns its raw values into suffix sums
+        (window - 2 adds). Sums are as deterministic as the ring sum: the same state gives the same bits.
+        """
+        window = self.config.window
+        pos = (t - 1) % window
+        ring = self.gnmr_ring
+        ring[pos] = gnmr
+        if pos == 0:
+            self.window_prefix.copy_(gnmr)
+        else:
+            self.window_prefix += gnmr
+        if pos == window - 1:
+            for j in range(window - 2, 0, -1):
+                ring[j] += ring[j + 1]
+            self._window_sum.copy_(self.window_prefix)
+        else:
+            torch.add(ring[pos + 1], self.window_prefix, out=self._window_sum)
 
     def _check_norms(self, norms: Any, missing: Any) -> None:
         if not isinstance(norms, torch.Tensor):
             raise TypeError(f"GNMRController.observe: norms must be a torch.Tensor, got {type(norms).__name__}")
-        if norms.ndim != 1 or norms.numel() != self.num_units:
+        if norms.ndim != 1 or norms.shape[0] != self.num_units:
             raise ValueError(
                 f"GNMRController.observe: norms must be a 1-D tensor of {self.num_units} per-unit norms "
                 f"(the N this controller was built for), got shape {tuple(norms.shape)}"
@@ -199,49 +317,64 @@ class GNMRController:
         cfg = self.config
         t = self.step + 1
         alpha, beta = cfg.thresholds(t)
-        n = norms.to(torch.float64)
-        # NaN fails both comparisons and inf fails the second; negative norms cannot come from a norm and are
-        # treated like non-finite ones (a broken signal) rather than validated on the host, which would
-        # cost a sync every step.
-        valid = (n >= 0) & (n < torch.inf)
-        if missing is None:
-            bad = ~valid
+        scratch = self._scratch
+        if norms.dtype == torch.float64 and missing is None:
+            n = norms
         else:
-            valid &= ~missing
-            bad = ~(valid | missing)
+            n = scratch.norms.copy_(norms)
+            if missing is not None:
+                # A missing unit's norm means nothing; as NaN it drops out of the scores and the history.
+                n.masked_fill_(missing, torch.nan)
+        # `clean` is what the history adds: the norm where it is a norm (finite, >= 0), else 0. Negative norms
+        # cannot come from a norm and count as a broken signal, like inf and NaN, rather than being validated
+        # on the host, which would cost a sync every step. One comparison then yields `valid`.
+        clean = torch.nan_to_num(n, nan=0.0, posinf=0.0, neginf=0.0, out=scratch.f64_a).clamp_min_(0.0)
+        valid = torch.eq(clean, n, out=scratch.valid)
+        if missing is None:
+            bad = torch.logical_not(valid, out=scratch.bad)
+        else:
+            bad = torch.logical_or(valid, missing, out=scratch.bad).logical_not_()
 
-        count = self.norm_count
-        eligible = valid & (count >= cfg.min_history)
-        # 0/0 and x/0 give NaN/inf here; `eligible` (which requires a positive past mean) masks them out.
-        gnmr = n * count / self.norm_sum
-        eligible &= self.norm_sum > 0
-        gnmr = gnmr.where(eligible, torch.nan)
-        has_window = eligible & (self.gnmr_streak >= cfg.window)
-        window_sum = self.gnmr_ring.sum(dim=0)
-        dgnmr = (gnmr * cfg.window / window_sum).where(has_window, torch.nan)
+        eligible = valid & self._warm
+        # GNMR = n_t / mean(n_1 .. n_{t-1}) = n_t * count / sum; DGNMR = GNMR_t * window / (sum of the window),
+        # NaN unless the last `window` steps all had a score (see `_advance_window`).
+        gnmr = torch.where(eligible, n, torch.nan).mul_(self.norm_count).div_(self.norm_sum)
+        dgnmr = torch.mul(gnmr, cfg.window).div_(self._window_sum)
+        # risk = max(GNMR/alpha, DGNMR/beta); a unit with GNMR but no DGNMR yet is ranked on GNMR alone.
+        # Division is correctly rounded, so GNMR/alpha > 1 exactly when GNMR > alpha: `risky` needs one
+        # comparison, not one per score.
+        risk = gnmr / alpha
+        dgnmr_ratio = torch.div(dgnmr, beta, out=scratch.f64_b).nan_to_num_(nan=0.0, posinf=math.inf)
+        torch.maximum(risk, dgnmr_ratio, out=risk)
+        risky = (risk > 1.0).logical_or_(bad)
+        risk.nan_to_num_(nan=0.0, posinf=math.inf).masked_fill_(bad, math.inf)
 
-        # NaN compares False, so units without a score cannot be risky through it.
-        risky = (gnmr > alpha) | (dgnmr > beta) | bad
-        risk = torch.fmax(gnmr / alpha, dgnmr / beta).nan_to_num_(nan=0.0).masked_fill_(bad, torch.inf)
+        # History: only valid norms, and only after scoring, since the mean is over the *past* norms.
+        self.norm_sum += clean
+        self.norm_count += valid.view(torch.uint8)
+        self._update_warm()
+        self._advance_window(t, gnmr)
 
-        # History: only finite norms, and only after scoring, since the mean is over the *past* norms.
-        # The GNMR window is indexed by step (GNMR_{t-delta} .. GNMR_{t-1}); a step without a score breaks
-        # the unit's streak, and DGNMR needs a streak of `window` scored steps.
-        self.norm_sum += n.where(valid, 0.0)
-        self.norm_count += valid
-        self.gnmr_ring[(t - 1) % cfg.window] = gnmr.where(eligible, 0.0)
-        self.gnmr_streak = (self.gnmr_streak + 1) * eligible
-
-        # Locks: stable units count down first, so a unit stays exactly lock_steps steps after its last
-        # risky one; risky units are refreshed below only if they win a slot.
-        locks = torch.where(risky, self.locks, (self.locks - 1).clamp_(min=0))
-        candidates = risky | (locks > 0)
-        # Ranking key: risky units by risk (>= 1, or +inf), then locked-stable units by risk mapped into
-        # [-2, -1], then non-candidates at -inf. Ties are resolved by index below.
-        key = torch.where(risky, risk, risk.clamp(max=1.0) - 2.0).masked_fill_(~candidates, -torch.inf)
-        selected = self._top_k_by_index(key, candidates, min(cfg.max_active, self.num_units))
-        self.locks = locks.masked_fill_(~selected, 0).masked_fill_(selected & risky, cfg.lock_steps)
+        # A candidate is risky, or still locked after this step's countdown (lock - 1 > 0, i.e. lock >= 2).
+        locked = scratch.bool_a.copy_(torch.bitwise_right_shift(self.locks, 1, out=scratch.lock_a))
+        candidates = risky | locked
+        # Ranking key = risk + offset: risky units rank by their exact risk (> 1, or +inf; offset 0),
+        # locked-stable ones by risk - 2 (risk <= 1 when stable, so in [-2, -1]: below every risky unit),
+        # the rest by risk - 4 (below every candidate; whatever of them fills the k slots is dropped by the
+        # `& candidates` below). The offset comes from the two masks in int8 arithmetic: several times
+        # cheaper on a CPU than `where`/`masked_fill` on float64. Ties go to the lower index (see TopK).
+        offset = torch.add(risky.view(torch.int8), candidates.view(torch.int8), out=scratch.offset).sub_(2)
+        torch.add(risk, offset, alpha=2, out=self._topk.key)
+        selected = self._topk.mask().logical_and_(candidates)
+        # Selected risky units get a full lock, selected stable ones count down, the rest (released, or
+        # preempted by riskier units when the budget is full) drop to 0 and leave recovery. As arithmetic:
+        # lock - 1 + risky * (lock_steps - (lock - 1)), times selected. A non-candidate's lock - 1 may wrap
+        # around in uint8, which the final product by 0 discards.
+        locks = self.locks - 1
+        locks += torch.neg(locks, out=scratch.lock_a).add_(cfg.lock_steps).mul_(scratch.lock_b.copy_(risky))
+        locks.mul_(scratch.lock_b.copy_(selected))
         previous = self.active
+        self.locks = locks
         self.active = selected
         self.step = t
         return Decision(
@@ -257,21 +390,8 @@ class GNMRController:
             active=selected,
             entered=selected & ~previous,
             exited=previous & ~selected,
-            locks=self.locks.clone(),
+            locks=locks,
         )
-
-    @staticmethod
-    def _top_k_by_index(key: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
-        """The k candidates with the largest key, ties to the lower index; no host sync.
-
-        `topk` alone is not deterministic among equal keys, so take everything strictly above the k-th value
-        and fill the remaining slots with the lowest-index candidates equal to it.
-        """
-        kth = torch.topk(key, k, sorted=False).values.min()
-        above = candidates & (key > kth)
-        tied = candidates & (key == kth)
-        room = k - above.sum()
-        return above | (tied & (tied.cumsum(0) <= room))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -287,22 +407,33 @@ class GNMRController:
         return state
 
     def json_state(self) -> dict[str, Any]:
-        """`state_dict()` with plain lists: JSON-safe and exact (float64 round-trips through repr)."""
+        """`state_dict()` with plain lists: JSON-safe and exact (float64 round-trips through repr).
+
+        The NaNs of `gnmr_ring` (steps without a score) become `null`, since NaN is not JSON.
+        """
         state = self.state_dict()
         for name in _TENSOR_STATE:
-            state[name] = state[name].tolist()
+            array = state[name].numpy()
+            if array.dtype == np.float64:
+                boxed = array.astype(object)
+                boxed[np.isnan(array)] = None
+                state[name] = boxed.tolist()
+            else:
+                state[name] = array.tolist()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | str) -> None:
         """Restore from `state_dict()` or `json_state()` (also after a `json.dumps`/`json.loads` round trip)."""
         if isinstance(state, str):
             state = json.loads(state)
+        if not isinstance(state, dict):
+            raise TypeError(f"GNMRController.load_state_dict: state must be a dict, got {type(state).__name__}")
         missing = [k for k in ("version", "num_units", "window", "step", *_TENSOR_STATE) if k not in state]
         if missing:
             raise KeyError(f"GNMRController.load_state_dict: state is missing {missing}")
         if state["version"] != _STATE_VERSION:
             raise ValueError(
-                f"GNMRController.load_state_dict: state version {state['version']} is not supported "
+                f"GNMRController.load_state_dict: state version {state['version']!r} is not supported "
                 f"(expected {_STATE_VERSION})"
             )
         if state["num_units"] != self.num_units:
@@ -315,17 +446,17 @@ class GNMRController:
                 f"GNMRController.load_state_dict: state has window={state['window']} but the config has "
                 f"window={self.config.window}"
             )
-        dtypes = {
-            "norm_sum": torch.float64,
-            "gnmr_ring": torch.float64,
-            "norm_count": torch.int64,
-            "gnmr_streak": torch.int64,
-            "locks": torch.int32,
-            "active": torch.bool,
-        }
+        step = state["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"GNMRController.load_state_dict: step must be an int >= 0, got {step!r}")
         loaded = {}
         for name in _TENSOR_STATE:
-            value = torch.as_tensor(state[name], dtype=dtypes[name]).to(self.device)
+            dtype = getattr(self, name).dtype
+            value = state[name]
+            if not isinstance(value, torch.Tensor):
+                # JSON form: nested lists, with null for NaN (numpy reads None as NaN in a float array).
+                value = torch.from_numpy(np.array(value, dtype=np.float64 if dtype == torch.float64 else None))
+            value = value.to(device=self.device, dtype=dtype)
             expected = getattr(self, name).shape
             if value.shape != expected:
                 raise ValueError(
@@ -335,4 +466,5 @@ class GNMRController:
             loaded[name] = value.clone()
         for name, value in loaded.items():
             setattr(self, name, value)
-        self.step = int(state["step"])
+        self.step = step
+        self._derive()
