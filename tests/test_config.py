@@ -1,0 +1,123 @@
+"""GNMRConfig: validation that names the field, threshold schedules, and the HfArgumentParser round trip."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gnmr_hf import GNMRConfig
+
+SCHEDULE = dict(threshold_schedule="linear", alpha_final=2.0, beta_final=1.5, schedule_steps=5)
+
+# (overrides, exception type, field named in the message)
+INVALID = [
+    ({"max_active": 0}, ValueError, "max_active"),
+    ({"max_active": 2.0}, TypeError, "max_active"),
+    ({"max_active": True}, TypeError, "max_active"),
+    ({"max_active": "4"}, TypeError, "max_active"),
+    ({"lock_steps": 0}, ValueError, "lock_steps"),
+    ({"lock_steps": 1.5}, TypeError, "lock_steps"),
+    ({"window": 0}, ValueError, "window"),
+    ({"window": None}, TypeError, "window"),
+    ({"min_history": 0}, ValueError, "min_history"),
+    ({"min_history": -3}, ValueError, "min_history"),
+    ({"schedule_steps": -1}, ValueError, "schedule_steps"),
+    ({"trace_top_k": -1}, ValueError, "trace_top_k"),
+    ({"alpha": 0.0}, ValueError, "alpha"),
+    ({"alpha": -1.0}, ValueError, "alpha"),
+    ({"alpha": math.inf}, ValueError, "alpha"),
+    ({"alpha": math.nan}, ValueError, "alpha"),
+    ({"alpha": "3"}, TypeError, "alpha"),
+    ({"alpha": True}, TypeError, "alpha"),
+    ({"beta": 0}, ValueError, "beta"),
+    ({"beta": None}, TypeError, "beta"),
+    ({"threshold_schedule": "exponential"}, ValueError, "threshold_schedule"),
+    ({"backend": "fp4"}, ValueError, "backend"),
+    ({"recovery_source": "disk"}, ValueError, "recovery_source"),
+    ({"signal": "activation"}, ValueError, "signal"),
+    ({"alpha_final": 2.0}, ValueError, "alpha_final"),
+    ({"beta_final": 2.0}, ValueError, "beta_final"),
+    ({**SCHEDULE, "alpha_final": None}, ValueError, "alpha_final"),
+    ({**SCHEDULE, "beta_final": None}, ValueError, "beta_final"),
+    ({**SCHEDULE, "alpha_final": -2.0}, ValueError, "alpha_final"),
+    ({**SCHEDULE, "beta_final": math.inf}, ValueError, "beta_final"),
+    ({**SCHEDULE, "schedule_steps": 0}, ValueError, "schedule_steps"),
+    ({"include": "q_proj"}, TypeError, "include"),
+    ({"include": ["q_proj", 3]}, TypeError, "include"),
+    ({"exclude": ["("]}, ValueError, "exclude"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "error", "field"), INVALID, ids=[repr(c[0]) for c in INVALID])
+def test_invalid_value_raises_an_error_naming_the_field(overrides, error, field):
+    with pytest.raises(error, match=rf"GNMRConfig\.{field}\b"):
+        GNMRConfig(**overrides)
+
+
+def test_defaults_are_valid():
+    config = GNMRConfig()
+    assert (config.max_active, config.lock_steps, config.window, config.min_history) == (4, 8, 8, 4)
+
+
+def test_integer_thresholds_are_stored_as_floats():
+    config = GNMRConfig(alpha=4, beta=2)
+    assert config.alpha == 4.0 and isinstance(config.alpha, float)
+    assert config.beta == 2.0 and isinstance(config.beta, float)
+
+
+def test_constant_schedule_gives_the_same_thresholds_at_every_step():
+    config = GNMRConfig(alpha=3.5, beta=2.5)
+    assert {config.thresholds(t) for t in (1, 2, 100, 10**6)} == {(3.5, 2.5)}
+
+
+def test_linear_schedule_moves_from_start_to_final_then_stays():
+    config = GNMRConfig(alpha=4.0, beta=3.0, **{**SCHEDULE, "alpha_final": 2.0, "beta_final": 1.0})
+    assert [config.thresholds(t) for t in (1, 2, 3, 4, 5, 6, 50)] == [
+        (4.0, 3.0),
+        (3.5, 2.5),
+        (3.0, 2.0),
+        (2.5, 1.5),
+        (2.0, 1.0),
+        (2.0, 1.0),
+        (2.0, 1.0),
+    ]
+
+
+def test_cosine_schedule_is_half_way_at_the_middle_step_and_flat_at_the_ends():
+    config = GNMRConfig(
+        alpha=4.0, beta=3.0, threshold_schedule="cosine", alpha_final=2.0, beta_final=1.0, schedule_steps=5
+    )
+    alpha_1, _ = config.thresholds(1)
+    alpha_2, _ = config.thresholds(2)
+    alpha_3, beta_3 = config.thresholds(3)
+    assert alpha_1 == 4.0
+    assert alpha_2 == pytest.approx(4.0 - 2.0 * (1 - math.cos(math.pi / 4)) / 2)
+    assert (alpha_3, beta_3) == pytest.approx((3.0, 2.0))
+    assert config.thresholds(5) == pytest.approx((2.0, 1.0))
+    assert config.thresholds(9) == pytest.approx((2.0, 1.0))
+
+
+def test_dict_round_trip_gives_an_equal_config():
+    config = GNMRConfig(max_active=2, include=["q_proj", "v_proj"], monitor_only=True, **SCHEDULE)
+    assert GNMRConfig.from_dict(config.to_dict()) == config
+
+
+def test_from_dict_rejects_unknown_fields_by_name():
+    with pytest.raises(ValueError, match="max_actives"):
+        GNMRConfig.from_dict({"max_actives": 3})
+
+
+def test_hf_argument_parser_reads_the_config_from_cli_args():
+    from transformers import HfArgumentParser
+
+    args = ["--max_active", "2", "--alpha", "4", "--include", "q_proj", "v_proj", "--monitor_only", "true"]
+    (config,) = HfArgumentParser(GNMRConfig).parse_args_into_dataclasses(args=args)
+    assert config == GNMRConfig(max_active=2, alpha=4.0, include=["q_proj", "v_proj"], monitor_only=True)
+
+
+def test_hf_argument_parser_applies_the_validation():
+    from transformers import HfArgumentParser
+
+    with pytest.raises(ValueError, match=r"GNMRConfig\.max_active"):
+        HfArgumentParser(GNMRConfig).parse_args_into_dataclasses(args=["--max_active", "0"])
