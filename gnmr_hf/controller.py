@@ -358,12 +358,13 @@ class GNMRController:
         # A candidate is risky, or still locked after this step's countdown (lock - 1 > 0, i.e. lock >= 2).
         locked = scratch.bool_a.copy_(torch.bitwise_right_shift(self.locks, 1, out=scratch.lock_a))
         candidates = risky | locked
-        # Ranking key = risk + offset: risky units rank by their exact risk (> 1, or +inf; offset 0),
-        # locked-stable ones by risk - 2 (risk <= 1 when stable, so in [-2, -1]: below every risky unit),
-        # the rest by risk - 4 (below every candidate; whatever of them fills the k slots is dropped by the
-        # `& candidates` below). The offset comes from the two masks in int8 arithmetic: several times
-        # cheaper on a CPU than `where`/`masked_fill` on float64. Ties go to the lower index (see TopK).
-        offset = torch.add(risky.view(torch.int8), candidates.view(torch.int8), out=scratch.offset).sub_(2)
+        # Ranking key: a candidate's exact risk; a risky unit's risk is > 1 (or +inf) and a stable one's is
+        # <= 1, so risky units always outrank locked-stable ones. Non-candidates get risk - 2 (< 0, below
+        # every candidate); those that fill the k slots when there are fewer candidates are dropped by the
+        # `& candidates` below. The offset is small-integer arithmetic on the mask, several times cheaper
+        # on a CPU than `where`/`masked_fill` on float64, and adding 0 leaves a risk bit-exact. Ties go to
+        # the lower index (see TopK).
+        offset = torch.sub(candidates.view(torch.int8), 1, out=scratch.offset)
         torch.add(risk, offset, alpha=2, out=self._topk.key)
         selected = self._topk.mask().logical_and_(candidates)
         # Selected risky units get a full lock, selected stable ones count down, the rest (released, or

@@ -1,0 +1,455 @@
+"""GNMRController: the method's rules, step by step, on hand-written norm streams.
+
+Streams are lists of per-step norm lists (one entry per unit); `None` marks a unit with no gradient that step.
+Expected decisions are written out literally: `active[t]` is the set chosen from step t+1's norms.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gnmr_hf import GNMRConfig, GNMRController
+from gnmr_hf._topk import TopK
+
+NAN, INF = math.nan, math.inf
+# GNMR alone decides (beta is out of reach), two units may be in recovery, locks last two steps.
+GNMR_ONLY = dict(max_active=2, lock_steps=2, window=2, min_history=2, alpha=2.0, beta=1e9)
+
+
+def run(config: GNMRConfig, stream: list[list[float | None]], controller: GNMRController | None = None):
+    """Feed the stream to a (new) controller; return its decisions."""
+    controller = controller or GNMRController(config, len(stream[0]))
+    decisions = []
+    for row in stream:
+        missing = torch.tensor([v is None for v in row])
+        norms = torch.tensor([NAN if v is None else v for v in row], dtype=torch.float64)
+        decisions.append(controller.observe(norms, missing if missing.any() else None))
+    return decisions
+
+
+def flat(mask: torch.Tensor) -> torch.Tensor:
+    """Indices where a 1-D mask is True."""
+    return mask.nonzero().flatten()
+
+
+def active_sets(decisions) -> list[list[int]]:
+    return [flat(d.active).tolist() for d in decisions]
+
+
+def random_stream(steps: int, units: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    norms = torch.exp(0.4 * torch.randn(steps, units, generator=g, dtype=torch.float64))
+    spikes = torch.rand(steps, units, generator=g) < 0.04
+    return torch.where(spikes, norms * 12.0, norms)
+
+
+# ---------------------------------------------------------------------------------------------------- locks
+
+
+def test_a_risky_unit_stays_lock_steps_decisions_after_its_last_risky_step():
+    stream = [[1, 1, 1]] * 3 + [[5, 1, 1]] + [[1, 1, 1]] * 3
+    decisions = run(GNMRConfig(**GNMR_ONLY), stream)
+    assert active_sets(decisions) == [[], [], [], [0], [0], [], []]
+    assert [d.locks[0].item() for d in decisions] == [0, 0, 0, 2, 1, 0, 0]
+    assert [flat(d.entered).tolist() for d in decisions] == [[], [], [], [0], [], [], []]
+    assert [flat(d.exited).tolist() for d in decisions] == [[], [], [], [], [], [0], []]
+
+
+def test_the_lock_is_refreshed_while_the_unit_stays_risky():
+    stream = [[1, 1, 1]] * 3 + [[5, 1, 1], [20, 1, 1]] + [[1, 1, 1]] * 3
+    decisions = run(GNMRConfig(**GNMR_ONLY), stream)
+    assert active_sets(decisions) == [[], [], [], [0], [0], [0], [], []]
+    assert [d.locks[0].item() for d in decisions] == [0, 0, 0, 2, 2, 1, 0, 0]
+
+
+def test_a_locked_unit_preempted_by_a_riskier_one_loses_its_lock():
+    config = GNMRConfig(**{**GNMR_ONLY, "max_active": 1, "lock_steps": 3})
+    stream = [[1, 1, 1]] * 3 + [[5, 1, 1], [1, 5, 1]] + [[1, 1, 1]] * 4
+    decisions = run(config, stream)
+    # Unit 1 is risky at step 5 and outranks the locked but stable unit 0, which is dropped for good: with its
+    # lock it would have stayed a candidate until step 6.
+    assert active_sets(decisions) == [[], [], [], [0], [1], [1], [1], [], []]
+    assert decisions[4].locks.tolist() == [0, 3, 0]
+    assert decisions[4].candidates.tolist() == [True, True, False]
+
+
+def test_with_more_risky_units_than_slots_the_riskiest_win_and_the_rest_get_no_lock():
+    config = GNMRConfig(**{**GNMR_ONLY, "max_active": 1})
+    stream = [[1, 1, 1]] * 3 + [[5, 8, 1], [1, 1, 1], [1, 1, 1]]
+    decisions = run(config, stream)
+    assert active_sets(decisions) == [[], [], [], [1], [1], []]
+    assert decisions[3].risky.tolist() == [True, True, False]
+    assert decisions[3].locks.tolist() == [0, 2, 0]
+
+
+def test_a_risky_unit_outranks_a_locked_stable_unit():
+    config = GNMRConfig(**{**GNMR_ONLY, "max_active": 1, "lock_steps": 4})
+    # Unit 0 is locked and stable at step 5; unit 1 is barely risky (GNMR 2.2 > alpha 2), yet takes the slot.
+    stream = [[1, 1]] * 3 + [[50, 1], [1, 2.2]]
+    assert active_sets(run(config, stream)) == [[], [], [], [0], [1]]
+
+
+def test_equal_risks_are_broken_by_the_lower_unit_index():
+    stream = [[1, 1, 1, 1]] * 3 + [[1, 5, 5, 5]]
+    decisions = run(GNMRConfig(**GNMR_ONLY), stream)
+    assert active_sets(decisions)[3] == [1, 2]
+
+
+def test_locks_count_down_even_while_a_unit_is_missing():
+    stream = [[1, 1]] * 3 + [[5, 1], [None, 1], [None, 1], [None, 1]]
+    decisions = run(GNMRConfig(**GNMR_ONLY), stream)
+    assert active_sets(decisions) == [[], [], [], [0], [0], [], []]
+
+
+def test_lock_steps_above_255_count_in_int32():
+    config = GNMRConfig(**{**GNMR_ONLY, "lock_steps": 300})
+    decisions = run(config, [[1]] * 3 + [[5], [1], [1]])
+    assert [d.locks[0].item() for d in decisions[3:]] == [300, 299, 298]
+    assert decisions[-1].locks.dtype == torch.int32
+
+
+# ----------------------------------------------------------------------------------------------- the scores
+
+
+def test_risk_is_the_larger_of_gnmr_over_alpha_and_dgnmr_over_beta():
+    config = GNMRConfig(max_active=1, lock_steps=1, window=2, min_history=1, alpha=2.0, beta=2.0)
+    # At step 6 unit 0 has GNMR = DGNMR = 2.9 (risk 1.45); unit 1 has a small GNMR (1.07) but its previous two
+    # GNMRs were tiny, so DGNMR = 3.84 (risk 1.92): it wins the one slot on DGNMR alone.
+    stream = [[1, 4], [1, 4], [1, 4], [1, 1], [1, 1], [2.9, 3]]
+    last = run(config, stream)[-1]
+    gnmr_1 = 3 / (14 / 5)
+    dgnmr_1 = gnmr_1 / ((1 / 4 + 1 / (13 / 4)) / 2)
+    assert last.gnmr.tolist() == pytest.approx([2.9, gnmr_1], rel=1e-12)
+    assert last.dgnmr.tolist() == pytest.approx([2.9, dgnmr_1], rel=1e-12)
+    assert last.risk.tolist() == pytest.approx([1.45, dgnmr_1 / 2], rel=1e-12)
+    assert last.risky.tolist() == [True, True]
+    assert flat(last.active).tolist() == [1]
+
+
+def test_dgnmr_is_gnmr_over_the_mean_of_the_previous_window_gnmrs():
+    for window in (1, 3, 4):
+        config = GNMRConfig(window=window, min_history=2, max_active=3)
+        stream = random_stream(40, 5, seed=window)
+        decisions = run(config, stream.tolist())
+        gnmr = torch.stack([d.gnmr for d in decisions])
+        dgnmr = torch.stack([d.dgnmr for d in decisions])
+        first = config.min_history + window  # 0-based step with a full window of scored steps behind it
+        assert dgnmr[:first].isnan().all()
+        for t in range(first, 40):
+            expected = gnmr[t] / gnmr[t - window : t].mean(dim=0)
+            torch.testing.assert_close(dgnmr[t], expected, rtol=1e-13, atol=0)
+
+
+def test_gnmr_is_the_norm_over_the_mean_of_all_past_finite_norms():
+    stream = random_stream(30, 4, seed=1)
+    decisions = run(GNMRConfig(min_history=1), stream.tolist())
+    for t in range(1, 30):
+        torch.testing.assert_close(decisions[t].gnmr, stream[t] / stream[:t].mean(dim=0), rtol=1e-13, atol=0)
+
+
+def test_no_score_and_no_decision_before_min_history_past_norms():
+    config = GNMRConfig(max_active=2, lock_steps=2, window=2, min_history=3, alpha=2.0, beta=2.0)
+    # A huge norm during warm-up (step 2) is no reason to act: there is no history to compare it with.
+    decisions = run(config, [[1.0], [100.0], [1.0], [1.0], [1.0], [1.0]])
+    assert [d.eligible.item() for d in decisions] == [False, False, False, True, True, True]
+    assert [math.isnan(d.gnmr.item()) for d in decisions] == [True, True, True, False, False, False]
+    assert not any(d.risky.item() for d in decisions)
+    assert [d.risk.item() for d in decisions[:3]] == [0.0, 0.0, 0.0]
+
+
+def test_dgnmr_needs_a_full_window_of_scored_steps():
+    config = GNMRConfig(window=2, min_history=1, alpha=1e9, beta=1e9)
+    decisions = run(config, [[1.0]] * 6)
+    # GNMR from step 2 on; DGNMR from step 4, the first with GNMR at steps 2 and 3.
+    assert [math.isnan(d.dgnmr.item()) for d in decisions] == [True, True, True, False, False, False]
+
+
+def test_an_unscored_step_restarts_the_dgnmr_window():
+    config = GNMRConfig(window=2, min_history=1, alpha=1e9, beta=1e9)
+    decisions = run(config, [[1.0], [1.0], [1.0], [1.0], [None], [1.0], [1.0], [1.0]])
+    # Step 5 has no score, so DGNMR waits for two new scored steps (6 and 7) and is back at step 8.
+    assert [math.isnan(d.dgnmr.item()) for d in decisions] == [True, True, True, False, True, True, True, False]
+
+
+@pytest.mark.parametrize("bad", [NAN, INF, -INF, -1.0])
+def test_a_non_finite_or_negative_norm_is_maximally_risky_and_never_enters_the_history(bad):
+    config = GNMRConfig(**GNMR_ONLY)
+    decisions = run(config, [[2.0, 1.0], [bad, 1.0], [2.0, 1.0], [2.0, 1.0]])
+    # Even during warm-up a broken gradient is a failure: risk +inf, recovery from the next step.
+    assert decisions[1].risk[0].item() == INF
+    assert decisions[1].risky[0].item() and not decisions[1].eligible[0].item()
+    assert flat(decisions[1].active).tolist() == [0]
+    # Step 4's mean is over steps 1 and 3 only: (2 + 2) / 2, so GNMR = 1 (it would be 1.5 with a 0 counted).
+    assert decisions[3].gnmr[0].item() == 1.0
+
+
+def test_a_missing_unit_is_not_scored_not_risky_and_not_in_the_history():
+    config = GNMRConfig(**GNMR_ONLY)
+    decisions = run(config, [[2.0], [2.0], [None], [2.0]])
+    assert not decisions[2].eligible.item() and not decisions[2].risky.item()
+    assert decisions[2].risk.item() == 0.0
+    assert decisions[3].gnmr.item() == 1.0  # mean over the two norms seen, not three
+
+
+def test_the_value_passed_for_a_missing_unit_is_ignored():
+    controller = GNMRController(GNMRConfig(**GNMR_ONLY), 1)
+    for _ in range(3):
+        controller.observe(torch.tensor([2.0]))
+    decision = controller.observe(torch.tensor([1e6]), missing=torch.tensor([True]))
+    assert not decision.risky.item()
+    assert controller.observe(torch.tensor([2.0])).gnmr.item() == 1.0
+
+
+def test_a_scaled_unit_gets_the_same_scores_and_the_same_decisions():
+    stream = random_stream(60, 6, seed=3)
+    config = GNMRConfig(max_active=2, lock_steps=3, window=3, min_history=2, alpha=2.5, beta=2.5)
+    reference = run(config, stream.tolist())
+    for c in (1e-4, 3.7, 1e5):
+        scaled = stream.clone()
+        scaled[:, 2] *= c
+        decisions = run(config, scaled.tolist())
+        for ref, dec in zip(reference, decisions, strict=True):
+            torch.testing.assert_close(dec.gnmr, ref.gnmr, rtol=1e-12, atol=0, equal_nan=True)
+            torch.testing.assert_close(dec.dgnmr, ref.dgnmr, rtol=1e-12, atol=0, equal_nan=True)
+            assert torch.equal(dec.active, ref.active) and torch.equal(dec.risky, ref.risky)
+    assert any(d.active.any() for d in reference)  # the stream does exercise decisions
+
+
+# ------------------------------------------------------------------------------------------------ schedules
+
+
+def test_the_scheduled_thresholds_are_the_ones_applied():
+    config = GNMRConfig(
+        max_active=1,
+        min_history=1,
+        alpha=4.0,
+        beta=1e9,
+        threshold_schedule="linear",
+        alpha_final=2.0,
+        beta_final=1e9,
+        schedule_steps=5,
+    )
+    # alpha_t = 4, 3.5, 3, 2.5, 2: a GNMR of 2.8 is not risky at step 3 (alpha 3) but is at step 4 (alpha 2.5).
+    at_3 = run(config, [[1.0], [1.0], [2.8]])[-1]
+    at_4 = run(config, [[1.0], [1.0], [1.0], [2.8]])[-1]
+    assert (at_3.alpha, at_4.alpha) == (3.0, 2.5)
+    assert at_3.gnmr.item() == pytest.approx(2.8) and at_4.gnmr.item() == pytest.approx(2.8)
+    assert not at_3.risky.item() and at_4.risky.item()
+
+
+# -------------------------------------------------------------------------------------------------- outputs
+
+
+def test_a_decision_is_not_changed_by_later_steps():
+    controller = GNMRController(GNMRConfig(max_active=2, window=2, min_history=1), 6)
+    stream = random_stream(30, 6, seed=4)
+    first = [controller.observe(stream[t]) for t in range(10)]
+    snapshot = [{k: v.clone() for k, v in vars(d).items() if isinstance(v, torch.Tensor)} for d in first]
+    for t in range(10, 30):
+        controller.observe(stream[t])
+    for decision, saved in zip(first, snapshot, strict=True):
+        for name, value in saved.items():
+            torch.testing.assert_close(getattr(decision, name), value, rtol=0, atol=0, equal_nan=True)
+
+
+def test_to_host_carries_the_decision():
+    controller = GNMRController(GNMRConfig(max_active=3, window=2, min_history=2, alpha=1.5, beta=1.5), 40)
+    stream = random_stream(25, 40, seed=5)
+    for t in range(25):
+        decision = controller.observe(stream[t])
+        host = decision.to_host(top_k=7)
+        assert host.step == t + 1 and (host.alpha, host.beta) == (decision.alpha, decision.beta)
+        for name in ("active", "entered", "exited", "risky"):
+            assert getattr(host, name).tolist() == flat(getattr(decision, name)).tolist()
+        assert host.n_eligible == decision.eligible.sum().item()
+        assert host.n_candidates == decision.candidates.sum().item()
+        scored = decision.eligible | decision.risk.isinf()
+        ranked = sorted((-decision.risk[i].item(), i) for i in flat(scored).tolist())[:7]
+        assert host.top_units.tolist() == [i for _, i in ranked]
+        assert host.top_scores.tolist() == [-r for r, _ in ranked]
+        if scored.any():
+            assert host.max_score == decision.risk[scored].max().item()
+
+
+def test_to_host_reports_no_max_score_and_no_top_units_before_any_score():
+    controller = GNMRController(GNMRConfig(), 5)
+    host = controller.observe(torch.ones(5)).to_host(top_k=3)
+    assert math.isnan(host.max_score) and host.top_units.size == 0 and host.n_eligible == 0
+    assert host.exceedance_rate == 0.0
+
+
+def test_to_host_rejects_a_negative_top_k():
+    decision = GNMRController(GNMRConfig(), 2).observe(torch.ones(2))
+    with pytest.raises(ValueError, match="top_k"):
+        decision.to_host(top_k=-1)
+
+
+def test_observe_makes_no_host_sync_and_to_host_makes_exactly_one_transfer(monkeypatch):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    # Ops whose result the host must wait for (a scalar read, or a data-dependent output size).
+    syncing = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default,
+        torch.ops.aten._unique2.default,
+    }
+    calls: dict[str, int] = {}
+
+    class CountSyncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in syncing:
+                calls[str(func)] = calls.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    for name in ("item", "tolist", "numpy", "cpu"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _name=name, _original=original, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    # Large enough for the blocked top-k path, with spikes, NaNs and missing units so every branch runs.
+    n = 5000
+    controller = GNMRController(GNMRConfig(max_active=4, window=3, min_history=2), n)
+    stream = random_stream(12, n, seed=6)
+    stream[5, ::97] = NAN
+    missing = torch.zeros(n, dtype=torch.bool)
+    missing[::13] = True
+    assert controller._topk.blocked
+    with CountSyncs():
+        decisions = [controller.observe(stream[t], missing if t % 3 else None) for t in range(12)]
+    assert calls == {}
+    assert any(d.entered.any() for d in decisions)
+    with CountSyncs():
+        decisions[-1].to_host(top_k=16)
+    assert calls == {"cpu": 1, "numpy": 1}
+
+
+# ----------------------------------------------------------------------------------------------- top-k
+
+
+def test_blocked_and_direct_top_k_agree_with_a_stable_sort():
+    g = torch.Generator().manual_seed(7)
+    for n, k in [(3000, 1), (3000, 4), (5003, 16), (20000, 7)]:
+        key = torch.randint(-3, 4, (n,), generator=g).double()  # many ties
+        key[torch.rand(n, generator=g) < 0.01] = INF
+        expected = sorted(range(n), key=lambda i: (-key[i].item(), i))[:k]
+        for blocked in (True, False):
+            top = TopK(n, k, torch.device("cpu"), blocked=blocked)
+            assert top.blocked == blocked
+            top.key.copy_(key)
+            assert top.indices().tolist() == expected
+            assert flat(top.mask()).tolist() == sorted(expected)
+
+
+# --------------------------------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("form", ["tensors", "json"])
+@pytest.mark.parametrize("cut", [1, 9, 12, 17])
+def test_resuming_from_a_saved_state_gives_the_decisions_of_an_uninterrupted_run(form, cut):
+    config = GNMRConfig(max_active=2, lock_steps=3, window=4, min_history=2, alpha=2.0, beta=2.0)
+    stream = random_stream(40, 7, seed=8)
+    stream[6, 2] = NAN
+    uninterrupted = run(config, stream.tolist())
+    first = GNMRController(config, 7)
+    run(config, stream[:cut].tolist(), first)
+    state = first.state_dict() if form == "tensors" else json.loads(json.dumps(first.json_state()))
+    resumed = GNMRController(config, 7)
+    resumed.load_state_dict(state)
+    assert resumed.step == cut and torch.equal(resumed.active, uninterrupted[cut - 1].active)
+    for ref, dec in zip(uninterrupted[cut:], run(config, stream[cut:].tolist(), resumed), strict=True):
+        assert dec.step == ref.step
+        for name in ("gnmr", "dgnmr", "risk"):
+            assert torch.equal(getattr(dec, name).nan_to_num(-7.0), getattr(ref, name).nan_to_num(-7.0)), name
+        for name in ("eligible", "risky", "candidates", "active", "entered", "exited", "locks"):
+            assert torch.equal(getattr(dec, name), getattr(ref, name)), name
+
+
+def test_json_state_is_strict_json():
+    controller = GNMRController(GNMRConfig(window=3), 4)
+    run(controller.config, random_stream(5, 4).tolist(), controller)
+    text = json.dumps(controller.json_state(), allow_nan=False)  # raises on NaN or inf
+    assert json.loads(text)["step"] == 5
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+BAD_OBSERVE = [
+    ([1.0, 2.0, 3.0], None, TypeError, "torch.Tensor"),
+    (torch.ones(3, 1), None, ValueError, r"1-D tensor of 3"),
+    (torch.ones(4), None, ValueError, r"1-D tensor of 3"),
+    (torch.ones(()), None, ValueError, r"1-D tensor of 3"),
+    (torch.ones(3, dtype=torch.int64), None, TypeError, "floating-point"),
+    (torch.ones(3), torch.zeros(3), TypeError, "missing must be a bool tensor"),
+    (torch.ones(3), [False] * 3, TypeError, "missing must be a bool tensor"),
+    (torch.ones(3), torch.zeros(4, dtype=torch.bool), ValueError, r"missing must be a bool tensor of shape \(3,\)"),
+]
+
+
+@pytest.mark.parametrize(("norms", "missing", "error", "message"), BAD_OBSERVE)
+def test_observe_rejects_bad_input_with_a_clear_error(norms, missing, error, message):
+    controller = GNMRController(GNMRConfig(), 3)
+    with pytest.raises(error, match=message):
+        controller.observe(norms, missing)
+    assert controller.step == 0
+
+
+@pytest.mark.parametrize(
+    ("num_units", "config", "message"),
+    [(0, GNMRConfig(), "num_units"), (True, GNMRConfig(), "num_units"), (3, {"max_active": 2}, "GNMRConfig")],
+)
+def test_the_controller_rejects_a_bad_construction(num_units, config, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        GNMRController(config, num_units)
+
+
+def _saved_state(**changes):
+    controller = GNMRController(GNMRConfig(window=3), 4)
+    run(controller.config, random_stream(5, 4).tolist(), controller)
+    state = controller.json_state()
+    state.update(changes)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "message"),
+    [
+        (_saved_state(num_units=5), ValueError, "num_units=5"),
+        (_saved_state(window=4), ValueError, "window=4"),
+        (_saved_state(version=1), ValueError, "version 1"),
+        (_saved_state(step=-1), ValueError, "step"),
+        (_saved_state(norm_sum=[1.0, 2.0]), ValueError, "norm_sum has shape"),
+        ({"version": 2}, KeyError, "missing"),
+        ([1, 2], TypeError, "dict"),
+    ],
+    ids=["num_units", "window", "version", "step", "shape", "missing_keys", "not_a_dict"],
+)
+def test_load_state_dict_rejects_an_incompatible_state_with_a_clear_error(state, error, message):
+    controller = GNMRController(GNMRConfig(window=3), 4)
+    with pytest.raises(error, match=message):
+        controller.load_state_dict(state)
+
+
+def test_load_state_dict_accepts_a_json_string():
+    controller = GNMRController(GNMRConfig(window=3), 4)
+    controller.load_state_dict(json.dumps(_saved_state()))
+    assert controller.step == 5
+
+
+def test_numpy_state_values_round_trip_exactly():
+    controller = GNMRController(GNMRConfig(window=3), 4)
+    run(controller.config, random_stream(7, 4).tolist(), controller)
+    again = GNMRController(GNMRConfig(window=3), 4)
+    again.load_state_dict(json.loads(json.dumps(controller.json_state())))
+    for name, value in controller.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            np.testing.assert_array_equal(again.state_dict()[name].numpy(), value.numpy())
