@@ -176,6 +176,32 @@ def test_an_unscored_step_restarts_the_dgnmr_window():
     assert [math.isnan(d.dgnmr.item()) for d in decisions] == [True, True, True, False, True, True, True, False]
 
 
+def test_a_unit_whose_past_norms_are_all_zero_gets_no_score():
+    # Its mean is 0, so n / mean is no measure of anything: no score until a positive norm arrives.
+    decisions = run(GNMRConfig(**GNMR_ONLY), [[0.0], [0.0], [0.0], [3.0], [1.0]])
+    assert [d.eligible.item() for d in decisions] == [False, False, False, False, True]
+    assert not any(d.risky.item() for d in decisions)
+    assert decisions[4].gnmr.item() == pytest.approx(4 / 3)
+
+
+def test_scores_and_history_are_float64_whatever_the_norms_dtype():
+    controller = GNMRController(GNMRConfig(min_history=1), 2)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        decision = controller.observe(torch.tensor([1.0, 2.0], dtype=dtype))
+    assert decision.gnmr.dtype == decision.dgnmr.dtype == decision.risk.dtype == torch.float64
+    assert all(v.dtype == torch.float64 for k, v in controller.state_dict().items() if k.startswith("norm_"))
+
+
+def test_a_mean_over_a_million_steps_keeps_float64_precision():
+    controller = GNMRController(GNMRConfig(min_history=1), 1)
+    state = controller.state_dict()
+    # 10^6 past norms of 0.1 (0.1 is inexact in binary, so a float32 sum would be off by ~1e-3 relative).
+    state["norm_count"] = torch.tensor([1e6], dtype=torch.float64)
+    state["norm_sum"] = torch.tensor([math.fsum([0.1] * 10**6)], dtype=torch.float64)
+    controller.load_state_dict(state)
+    assert controller.observe(torch.tensor([0.1], dtype=torch.float64)).gnmr.item() == pytest.approx(1.0, rel=1e-12)
+
+
 @pytest.mark.parametrize("bad", [NAN, INF, -INF, -1.0])
 def test_a_non_finite_or_negative_norm_is_maximally_risky_and_never_enters_the_history(bad):
     config = GNMRConfig(**GNMR_ONLY)
