@@ -24,7 +24,7 @@ import torch
 __all__ = ["TopK"]
 
 # Up to here a stable sort of the whole key is as cheap as the blocked path's extra ops.
-_DIRECT_MAX_N = 1024
+_DIRECT_MAX_N = 2048
 
 
 class TopK:
