@@ -42,9 +42,9 @@ re-reading the window (`_advance_window`), and selects the top `max_active` with
 
 from __future__ import annotations
 
-import functools
 import json
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +89,8 @@ class Decision:
 
     Masks are bool [N]; scores are float64 [N] with NaN where a unit has no score this step; `risk` is 0 for
     unscored units and +inf for non-finite norms. `active` is the set that runs in recovery from step
-    `step + 1` on; `locks` (int32 [N]) is each unit's lock after this step. The tensors are never modified
-    afterwards, so a `Decision` stays valid after later steps.
+    `step + 1` on; `locks` (uint8 [N], int32 when `lock_steps` > 255) is each unit's lock after this step.
+    The tensors are never modified afterwards, so a `Decision` stays valid after later steps.
     """
 
     step: int
@@ -165,10 +165,20 @@ class Decision:
         )
 
 
-@functools.lru_cache(maxsize=8)
+_TO_HOST = threading.local()
+
+
 def _top_k(n: int, k: int, device: torch.device) -> TopK:
-    """A reusable TopK for `Decision.to_host` (its buffers are filled and consumed within one call)."""
-    return TopK(n, k, device)
+    """A TopK for `Decision.to_host`, reused across calls: its buffers (N padded floats and indices) are
+    filled and consumed within one call, and building them every step would cost as much as the selection.
+    One per thread, so that concurrent `to_host` calls do not share a buffer."""
+    cache: dict[tuple[int, int, torch.device], TopK] = _TO_HOST.__dict__.setdefault("cache", {})
+    key = (n, k, device)
+    if key not in cache:
+        if len(cache) >= 8:
+            cache.clear()
+        cache[key] = TopK(n, k, device)
+    return cache[key]
 
 
 class _Scratch:
@@ -456,7 +466,16 @@ class GNMRController:
             value = state[name]
             if not isinstance(value, torch.Tensor):
                 # JSON form: nested lists, with null for NaN (numpy reads None as NaN in a float array).
-                value = torch.from_numpy(np.array(value, dtype=np.float64 if dtype == torch.float64 else None))
+                try:
+                    value = torch.from_numpy(np.array(value, dtype=np.float64 if dtype == torch.float64 else None))
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"GNMRController.load_state_dict: {name} is not a numeric array: {err}") from None
+            if name == "locks":
+                # A state saved with a longer lock_steps is cut to this config's; a negative lock is corrupt.
+                value = value.to(torch.int64)
+                if (value < 0).any():
+                    raise ValueError("GNMRController.load_state_dict: locks must be >= 0")
+                value = value.clamp(max=self.config.lock_steps)
             value = value.to(device=self.device, dtype=dtype)
             expected = getattr(self, name).shape
             if value.shape != expected:

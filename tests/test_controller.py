@@ -454,15 +454,24 @@ def _saved_state(**changes):
         (_saved_state(version=1), ValueError, "version 1"),
         (_saved_state(step=-1), ValueError, "step"),
         (_saved_state(norm_sum=[1.0, 2.0]), ValueError, "norm_sum has shape"),
+        (_saved_state(norm_sum=[1.0, [2.0]]), ValueError, "norm_sum is not a numeric array"),
+        (_saved_state(locks=[0, -1, 0, 0]), ValueError, "locks must be >= 0"),
         ({"version": 2}, KeyError, "missing"),
         ([1, 2], TypeError, "dict"),
     ],
-    ids=["num_units", "window", "version", "step", "shape", "missing_keys", "not_a_dict"],
+    ids=["num_units", "window", "version", "step", "shape", "ragged", "negative_lock", "missing_keys", "not_a_dict"],
 )
 def test_load_state_dict_rejects_an_incompatible_state_with_a_clear_error(state, error, message):
     controller = GNMRController(GNMRConfig(window=3), 4)
     with pytest.raises(error, match=message):
         controller.load_state_dict(state)
+
+
+def test_a_state_with_locks_longer_than_lock_steps_is_cut_to_lock_steps():
+    controller = GNMRController(GNMRConfig(window=3, lock_steps=5), 4)
+    controller.load_state_dict(_saved_state(locks=[0, 300, 2, 9]))
+    assert controller.locks.tolist() == [0, 5, 2, 5]
+    assert controller.active.tolist() == [False, True, True, True]
 
 
 def test_load_state_dict_accepts_a_json_string():
