@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import statistics
 import time
 
@@ -60,8 +61,8 @@ def make_stream(n: int, steps: int, seed: int) -> torch.Tensor:
     return norms.masked_fill_(torch.rand(steps, n, generator=g) < 1e-5, torch.nan).float()
 
 
-def time_run(n: int, steps: int, seed: int) -> tuple[list[float], list[float], int]:
-    """Per-step seconds of observe() and of observe()+to_host(), and how many units entered in all."""
+def time_run(n: int, steps: int, seed: int) -> tuple[list[float], list[float], int, float]:
+    """Per-step seconds of observe() and of observe()+to_host(), units entered in all, page faults per step."""
     config = GNMRConfig()
     warmup = config.window + config.min_history + 20
     stream = make_stream(n, warmup + steps, seed)
@@ -69,7 +70,10 @@ def time_run(n: int, steps: int, seed: int) -> tuple[list[float], list[float], i
     observe_s: list[float] = []
     total_s: list[float] = []
     entered = 0
+    faults = 0
     for step in range(warmup + steps):
+        if step == warmup:
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         norms = stream[step]
         t0 = time.perf_counter()
         decision = controller.observe(norms)
@@ -80,7 +84,8 @@ def time_run(n: int, steps: int, seed: int) -> tuple[list[float], list[float], i
             observe_s.append(t1 - t0)
             total_s.append(t2 - t0)
             entered += len(host.entered)
-    return observe_s, total_s, entered
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return observe_s, total_s, entered, faults / steps
 
 
 def p90(values: list[float]) -> float:
@@ -105,9 +110,9 @@ def main() -> None:
     rows = []
     for n in opts.sizes:
         runs = [time_run(n, opts.steps, opts.seed + r) for r in range(opts.repeats)]
-        obs, _, entered = min(runs, key=lambda run: statistics.median(run[0]))
+        obs, _, entered, faults = min(runs, key=lambda run: statistics.median(run[0]))
         tot_best = min((run[1] for run in runs), key=statistics.median)
-        rows.append((n, statistics.median(obs), p90(obs), statistics.median(tot_best), p90(tot_best), entered))
+        rows.append((n, statistics.median(obs), p90(obs), statistics.median(tot_best), p90(tot_best), entered, faults))
     load_after = os.getloadavg()
 
     print(
@@ -121,16 +126,16 @@ def main() -> None:
     print()
     print(
         "| N | observe median (us) | observe p90 (us) | per unit (ns) | x vs previous N "
-        "| + to_host median (us) | + to_host p90 (us) | per unit (ns) | units entered |"
+        "| + to_host median (us) | + to_host p90 (us) | per unit (ns) | units entered | page faults / step |"
     )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     previous = None
-    for n, med, q90, tmed, tq90, entered in rows:
+    for n, med, q90, tmed, tq90, entered, faults in rows:
         growth = f"{med / previous:.1f}" if previous else "-"
         previous = med
         print(
             f"| {n:,} | {med * 1e6:.0f} | {q90 * 1e6:.0f} | {med / n * 1e9:.1f} | {growth} "
-            f"| {tmed * 1e6:.0f} | {tq90 * 1e6:.0f} | {tmed / n * 1e9:.1f} | {entered} |"
+            f"| {tmed * 1e6:.0f} | {tq90 * 1e6:.0f} | {tmed / n * 1e9:.1f} | {entered} | {faults:.0f} |"
         )
 
 
