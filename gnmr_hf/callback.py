@@ -191,6 +191,8 @@ class GNMRCallback(TrainerCallback, ExportableState):
             self._trace.write(decision)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._trace is not None:
+            self._trace.flush()
         if logs is None or not self._window_steps:
             return
         metrics = self._pop_metrics()
@@ -202,6 +204,8 @@ class GNMRCallback(TrainerCallback, ExportableState):
     def on_save(self, args, state, control, **kwargs):
         if self.controller is None or not state.is_world_process_zero:
             return
+        if self._trace is not None:
+            self._trace.flush()
         checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if not os.path.isdir(checkpoint):
             logger.warning("GNMR: checkpoint folder %s not found; controller state not saved there", checkpoint)

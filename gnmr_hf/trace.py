@@ -2,8 +2,11 @@
 
 The trace is the record of what GNMR did and why: which units ran in recovery, which entered and left, which
 were risky, the riskiest scores and the thresholds. It is compact (indices, not masks: a quiet step of a
-10k-unit model is a few dozen bytes) and append-only, flushed every step so a crash loses nothing. The first
-line is a header with the unit names, so a trace can be read without the model.
+10k-unit model is a few dozen bytes) and append-only. It is flushed once every `flush_seconds` at most (and at every
+checkpoint, log and the end of training, see the callback): a flush per step costs more than the decision
+itself on a small model, and what a hard kill can lose is at most the last second, which a resume from the
+last checkpoint rewrites anyway. The first line is a header with the unit names, so a trace can be read
+without the model.
 
 `TraceSummary` is fed either live (by the callback, from `HostDecision`s) or from a trace file (by
 `gnmr-hf report`); both give the same numbers because both go through `TraceSummary.add`.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +30,8 @@ from .controller import HostDecision
 __all__ = ["TraceSummary", "TraceWriter", "read_trace"]
 
 TRACE_VERSION = 1
+# One compact encoder for every line: `json.dumps(..., separators=...)` would build a new encoder per step.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
 def decision_record(decision: HostDecision) -> dict[str, Any]:
@@ -56,8 +62,11 @@ def _json_float(x: float) -> float | str:
 class TraceWriter:
     """Appends decision records to a JSONL file; resuming truncates what came after the resumed step."""
 
-    def __init__(self, path: str | os.PathLike[str], header: dict[str, Any], resume_step: int = 0) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], header: dict[str, Any], resume_step: int = 0, flush_seconds: float = 1.0
+    ) -> None:
         self.path = Path(path)
+        self.flush_seconds = flush_seconds
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[str] = []
         if resume_step > 0 and self.path.exists():
@@ -72,14 +81,19 @@ class TraceWriter:
             self._file.writelines(kept)
         else:
             self._write({"type": "header", "version": TRACE_VERSION, **header})
-        self._file.flush()
+        self.flush()
 
     def _write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.write(_ENCODER.encode(record) + "\n")
 
     def write(self, decision: HostDecision) -> None:
         self._write(decision_record(decision))
+        if time.monotonic() - self._flushed_at >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
         self._file.flush()
+        self._flushed_at = time.monotonic()
 
     def close(self) -> None:
         if not self._file.closed:
