@@ -49,6 +49,45 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._t0)
 
 
+class _OwnTime:
+    """Wall time spent inside GNMR's own code (hooks, norm capture, decision, trace, logs), per optimizer step."""
+
+    def __init__(self) -> None:
+        self.current = 0.0
+        self.steps: list[float] = []
+
+    def wrap(self, fn, closes_step: bool = False):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current += time.perf_counter() - t0
+                if closes_step:
+                    self.steps.append(self.current)
+                    self.current = 0.0
+
+        return timed
+
+    def per_step(self) -> list[float]:
+        return self.steps
+
+
+def _time_own_work(gnmr: GNMRCallback) -> _OwnTime:
+    own = _OwnTime()
+    for name in (
+        "_on_grad_accumulated",
+        "_capture",
+        "on_log",
+        "on_step_begin",
+        "on_step_end",
+        "on_pre_optimizer_step",
+    ):
+        setattr(gnmr, name, own.wrap(getattr(gnmr, name)))
+    gnmr.on_optimizer_step = own.wrap(gnmr.on_optimizer_step, closes_step=True)
+    return own
+
+
 def run_mode(mode: str, model_dir: Path, data, out: Path, opts: argparse.Namespace) -> dict:
     model = load_int8_lora(model_dir, seed=opts.seed)
     timer = StepTimer()
@@ -59,6 +98,7 @@ def run_mode(mode: str, model_dir: Path, data, out: Path, opts: argparse.Namespa
             max_active=opts.max_active, lock_steps=4, window=4, min_history=4, monitor_only=mode == "monitor_only"
         )
         gnmr = GNMRCallback(cfg)
+        own = _time_own_work(gnmr)
         callbacks.insert(0, gnmr)
     # The same spike in every mode, so the three runs do the same arithmetic apart from GNMR itself.
     callbacks.append(GradientSpikeCallback(f"model.layers.{opts.layers - 1}.mlp.down_proj", opts.spike_step))
@@ -80,6 +120,7 @@ def run_mode(mode: str, model_dir: Path, data, out: Path, opts: argparse.Namespa
         result["ledger_peak_bytes"] = gnmr.units[0].ledger.peak_bytes
         result["largest_unit_bytes"] = max(u.recovery_bytes() for u in gnmr.units)
         result["unit_steps_in_recovery"] = gnmr.summary.active_unit_steps
+        result["own_us_per_step"] = [t * 1e6 for t in own.per_step()[opts.warmup :]]
     return result
 
 
@@ -136,16 +177,18 @@ def main() -> None:
             print("RESULT " + json.dumps(result))
             return
         times: dict[str, list[float]] = {m: [] for m in MODES}
+        own: dict[str, list[float]] = {m: [] for m in MODES}
         extra: dict[str, dict] = {}
         for _ in range(opts.rounds):
             for mode in MODES:
                 result = run_mode(mode, model_dir, data, work, opts)
                 times[mode] += result.pop("step_times")
+                own[mode] += result.pop("own_us_per_step", [])
                 extra[mode] = result
 
     memory = {}
     for mode in MODES:
-        argv = [a for a in sys.argv[1:] if not a.startswith("--json")]
+        argv = [f"--{k}={v}" for k, v in vars(opts).items() if k not in ("json", "memory_child")]
         proc = subprocess.run(
             [sys.executable, __file__, *argv, "--memory-child", mode], capture_output=True, text=True, check=True
         )
@@ -158,16 +201,28 @@ def main() -> None:
         f"model: hidden={opts.hidden} layers={opts.layers} seq={opts.seq} batch={opts.batch}, "
         f"{opts.rounds} rounds x {opts.steps} timed steps per mode, interleaved\n"
     )
-    print("| mode | median step (ms) | p90 step (ms) | ratio to plain | peak RSS (MiB) | peak BF16 recovery (KiB) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| mode | median step (ms) | p90 step (ms) | ratio to plain | GNMR's own time per step (us, median) "
+        "| own time / plain step | peak RSS (MiB) | peak BF16 recovery (KiB) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     rows = {}
     for mode in MODES:
         med = statistics.median(times[mode])
         p90 = statistics.quantiles(times[mode], n=10)[-1]
         ledger = memory[mode].get("ledger_peak_bytes")
-        rows[mode] = {"median_ms": med * 1e3, "p90_ms": p90 * 1e3, "ratio": med / plain, **memory[mode]}
+        own_us = statistics.median(own[mode]) if own[mode] else None
+        rows[mode] = {
+            "median_ms": med * 1e3,
+            "p90_ms": p90 * 1e3,
+            "ratio": med / plain,
+            "own_us_per_step": own_us,
+            **memory[mode],
+        }
         print(
             f"| {mode} | {med * 1e3:.2f} | {p90 * 1e3:.2f} | {med / plain:.3f}x | "
+            f"{'-' if own_us is None else f'{own_us:.0f}'} | "
+            f"{'-' if own_us is None else f'{own_us / 1e3 / (plain * 1e3):.2%}'} | "
             f"{memory[mode]['peak_rss_mib']:.0f} | {'-' if ledger is None else f'{ledger / 1024:.1f}'} |"
         )
     if "active" in memory:
