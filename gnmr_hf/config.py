@@ -22,10 +22,11 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from .units import known_backends
+
 __all__ = ["GNMRConfig"]
 
 _SCHEDULES = ("constant", "linear", "cosine")
-_BACKENDS = ("bnb_int8",)
 _SOURCES = ("auto", "checkpoint", "dequantize")
 _SIGNALS = ("auto", "lora", "weight", "output_grad")
 
@@ -79,7 +80,10 @@ class GNMRConfig:
         default=0, metadata={"help": "Length of the threshold schedule in optimizer steps (>= 1 if used)."}
     )
     # Integration knobs: the controller ignores these, the callback reads them.
-    backend: str = field(default="bnb_int8", metadata={"help": f"Which units to manage; one of {_BACKENDS}."})
+    backend: str = field(
+        default="bnb_int8",
+        metadata={"help": "Which units to manage: 'bnb_int8', or a name given to gnmr_hf.register_backend."},
+    )
     recovery_source: str = field(
         default="auto",
         metadata={
@@ -122,7 +126,7 @@ class GNMRConfig:
         self._check_threshold("alpha")
         self._check_threshold("beta")
         self._check_choice("threshold_schedule", _SCHEDULES)
-        self._check_choice("backend", _BACKENDS)
+        self._check_choice("backend", known_backends())
         self._check_choice("recovery_source", _SOURCES)
         self._check_choice("signal", _SIGNALS)
         if self.threshold_schedule == "constant":

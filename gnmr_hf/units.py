@@ -130,14 +130,18 @@ def register_backend(name: str, dispatcher: Dispatcher | Sequence[Dispatcher]) -
     _CUSTOM_BACKENDS[name] = dispatchers
 
 
+def known_backends() -> tuple[str, ...]:
+    """The backend names `find_units` accepts now: the built-in ones, then those registered."""
+    return (*_BUILTIN_BACKENDS, *sorted(set(_CUSTOM_BACKENDS) - set(_BUILTIN_BACKENDS)))
+
+
 def _dispatchers(backend: str) -> list[Dispatcher]:
     if backend in _CUSTOM_BACKENDS:
         return _CUSTOM_BACKENDS[backend]
     if backend in _BUILTIN_BACKENDS:
         module_name, attr = _BUILTIN_BACKENDS[backend].split(":")
         return [getattr(importlib.import_module(module_name), attr)]
-    known = sorted([*_BUILTIN_BACKENDS, *_CUSTOM_BACKENDS])
-    raise ValueError(f"find_units: unknown backend {backend!r}; known backends are {known}")
+    raise ValueError(f"find_units: unknown backend {backend!r}; known backends are {list(known_backends())}")
 
 
 def display_name(fqn: str) -> str:

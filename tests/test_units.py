@@ -95,3 +95,11 @@ def test_close_leaves_recovery(toy_backend):
     assert "recovery" in repr(unit)
     unit.close()
     assert not unit.in_recovery
+
+
+def test_a_registered_backend_is_a_valid_config_backend(toy_backend):
+    from gnmr_hf import GNMRConfig
+
+    assert GNMRConfig(backend=toy_backend).backend == "toy"
+    with pytest.raises(ValueError, match=r"backend must be one of \['bnb_int8', 'toy'\]"):
+        GNMRConfig(backend="nope")
