@@ -136,6 +136,25 @@ class GNMRCallback(TrainerCallback, ExportableState):
             source=cfg.recovery_source,
             signal=cfg.signal,
         )
+        try:
+            self._start(args, state)
+        except BaseException:
+            # Leave the model as it was found (no forward wrappers, hooks or recovery weights), so that a
+            # corrected retry on the same model works.
+            self.close()
+            raise
+        logger.info(
+            "GNMR: %d %s units, max_active=%d, lock_steps=%d, %s",
+            len(self.units),
+            cfg.backend,
+            cfg.max_active,
+            cfg.lock_steps,
+            "monitor only" if cfg.monitor_only else "active",
+        )
+
+    def _start(self, args: Any, state: Any) -> None:
+        """Everything after unit discovery: signals, controller, restored state, hooks, recovery set, trace."""
+        cfg = self.config
         names = [u.name for u in self.units]
         self.signals = UnitSignals(self.units)
         self.controller = GNMRController(cfg, len(self.units), device=self.signals.device)
@@ -156,14 +175,6 @@ class GNMRCallback(TrainerCallback, ExportableState):
             self._trace = TraceWriter(
                 os.path.join(args.output_dir, cfg.trace_file), header, resume_step=state.global_step
             )
-        logger.info(
-            "GNMR: %d %s units, max_active=%d, lock_steps=%d, %s",
-            len(self.units),
-            cfg.backend,
-            cfg.max_active,
-            cfg.lock_steps,
-            "monitor only" if cfg.monitor_only else "active",
-        )
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         assert self.controller is not None and self.signals is not None and self.summary is not None

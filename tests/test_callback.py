@@ -331,3 +331,26 @@ def test_units_in_recovery_never_exceed_the_memory_budget(tiny_llama_dir, datase
     assert ledger.peak_bytes > 0
     assert ledger.peak_bytes <= 1 * biggest
     assert ledger.live_bytes == 0
+
+
+def test_resuming_a_checkpoint_without_gnmr_state_warns_and_starts_fresh(tiny_llama_dir, dataset, tmp_path, caplog):
+    make_trainer(
+        tiny_llama_dir, dataset, tmp_path, gnmr=False, max_steps=4, save_strategy="steps", save_steps=4
+    ).train()
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path, max_steps=6, spike_step=0)
+    with caplog.at_level("WARNING", logger="gnmr_hf"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert "no GNMR state was found" in caplog.text
+    assert gnmr_of(trainer).controller.step == 2  # only the two steps it saw
+
+
+def test_resuming_with_different_units_is_refused(tiny_llama_dir, dataset, tmp_path):
+    make_trainer(
+        tiny_llama_dir, dataset, tmp_path, max_steps=4, spike_step=0, save_strategy="steps", save_steps=4
+    ).train()
+    narrowed = GNMRConfig(**CFG, include=["q_proj"])
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path, gnmr=narrowed, max_steps=6, spike_step=0)
+    with pytest.raises(ValueError, match="made for different units"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    # The failed start left the model as it was: no forward wrapper is left on any unit's module.
+    assert all("forward" not in u.module.__dict__ for u in gnmr_of(trainer).units)
