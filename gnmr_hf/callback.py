@@ -352,8 +352,6 @@ class GNMRCallback(TrainerCallback, ExportableState):
         w, steps = self._window, self._window_steps
         metrics = {f"gnmr/{k}": w[k] for k in _METRICS if k in w}
         metrics["gnmr/exceedance_rate"] = w.get("exceedance_rate", 0.0) / steps
-        if "gnmr/max_score" in metrics and not np.isfinite(metrics["gnmr/max_score"]):
-            metrics["gnmr/max_score"] = float("inf")
         self._window, self._window_steps = {}, 0
         return metrics
 

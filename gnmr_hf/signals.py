@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .units import RecoverableUnit
+from .units import OutputGradMeter, RecoverableUnit
 
 __all__ = ["UnitSignals"]
 
@@ -34,7 +34,7 @@ class UnitSignals:
         self.units = list(units)
         self.tensors: list[torch.Tensor] = []
         owner: list[int] = []
-        self.meters: list[tuple[int, object]] = []
+        self.meters: list[tuple[int, OutputGradMeter]] = []
         for i, unit in enumerate(self.units):
             tensors = unit.signal_tensors()
             if tensors:
