@@ -59,3 +59,13 @@ def test_callback_refuses_fp16_loss_scaling():
 
     with pytest.raises(ValueError, match="fp16"):
         GNMRCallback().on_train_begin(SimpleNamespace(fp16=True), None, None, model=object())
+
+
+def test_gnmr_config_parses_beside_training_arguments_without_clashes():
+    from transformers import HfArgumentParser, TrainingArguments
+
+    parser = HfArgumentParser((TrainingArguments, GNMRConfig))
+    args, gnmr = parser.parse_args_into_dataclasses(
+        ["--output_dir", "out", "--use_cpu", "--max_active", "3", "--include", "q_proj", "v_proj", "--monitor_only"]
+    )
+    assert args.use_cpu and gnmr.max_active == 3 and gnmr.include == ["q_proj", "v_proj"] and gnmr.monitor_only
