@@ -16,6 +16,7 @@ partial norms are summed across ranks with one all-reduce before the square root
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -52,7 +53,7 @@ class UnitSignals:
         # Each tensor gets its own slot in an [N, M] grid (M = most tensors of one unit), so the per-unit sum
         # is a plain `sum(dim=1)`: deterministic on every device, unlike `index_add_`, whose CUDA kernel adds
         # in a nondeterministic order (and decisions must be a pure function of the gradients).
-        width = max((owner.count(i) for i in set(owner)), default=1)
+        width = max(Counter(owner).values(), default=1)
         slots, seen = [], [0] * len(self.units)
         for i in owner:
             slots.append(i * width + seen[i])
