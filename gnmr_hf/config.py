@@ -22,13 +22,13 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+# The backend module imports neither bitsandbytes nor peft at import time, so this stays light.
+from .backends.bnb_int8 import SIGNALS, SOURCES
 from .units import known_backends
 
 __all__ = ["GNMRConfig"]
 
 _SCHEDULES = ("constant", "linear", "cosine")
-_SOURCES = ("auto", "checkpoint", "dequantize")
-_SIGNALS = ("auto", "lora", "weight", "output_grad")
 
 
 @dataclass
@@ -127,8 +127,8 @@ class GNMRConfig:
         self._check_threshold("beta")
         self._check_choice("threshold_schedule", _SCHEDULES)
         self._check_choice("backend", known_backends())
-        self._check_choice("recovery_source", _SOURCES)
-        self._check_choice("signal", _SIGNALS)
+        self._check_choice("recovery_source", SOURCES)
+        self._check_choice("signal", SIGNALS)
         if self.threshold_schedule == "constant":
             for name in ("alpha_final", "beta_final"):
                 if getattr(self, name) is not None:
