@@ -178,13 +178,11 @@ def main() -> None:
             return
         times: dict[str, list[float]] = {m: [] for m in MODES}
         own: dict[str, list[float]] = {m: [] for m in MODES}
-        extra: dict[str, dict] = {}
         for _ in range(opts.rounds):
             for mode in MODES:
                 result = run_mode(mode, model_dir, data, work, opts)
                 times[mode] += result.pop("step_times")
                 own[mode] += result.pop("own_us_per_step", [])
-                extra[mode] = result
 
     memory = {}
     for mode in MODES:

@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 
 from .config import GNMRConfig
 from .tiny import build_tiny_llama, load_int8_lora, write_local_text
+from .units import display_name
 
 __all__ = ["GradientSpikeCallback", "byte_dataset", "main", "run_demo"]
 
@@ -48,7 +49,7 @@ class GradientSpikeCallback(TrainerCallback):
         params = [
             p
             for name, p in model.named_parameters()
-            if p.requires_grad and name.removeprefix("base_model.model.").startswith(self.module_name + ".")
+            if p.requires_grad and display_name(name).startswith(self.module_name + ".")
         ]
         if not params:
             raise ValueError(f"GradientSpikeCallback: no trainable parameter under {self.module_name!r}")
