@@ -94,7 +94,7 @@ def p90(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 1_000, 10_000, 100_000])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10, 100, 280, 1_000, 10_000, 100_000])
     parser.add_argument("--steps", type=int, default=200, help="timed steps per run")
     parser.add_argument("--repeats", type=int, default=3, help="runs per N; the lowest median is reported")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")

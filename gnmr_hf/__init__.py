@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 from .config import GNMRConfig
 from .controller import Decision, GNMRController, HostDecision
 from .signals import UnitSignals
-from .units import DispatchContext, OutputGradMeter, RecoverableUnit, find_units, register_backend
+from .units import (
+    BackendOptions,
+    DispatchContext,
+    OutputGradMeter,
+    RecoverableUnit,
+    RecoveryLedger,
+    find_units,
+    register_backend,
+)
 
 if TYPE_CHECKING:
     from .callback import GNMRCallback
@@ -28,6 +36,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackendOptions",
     "Decision",
     "DispatchContext",
     "GNMRCallback",
@@ -37,6 +46,7 @@ __all__ = [
     "HostDecision",
     "OutputGradMeter",
     "RecoverableUnit",
+    "RecoveryLedger",
     "UnitSignals",
     "__version__",
     "find_units",

@@ -4,28 +4,41 @@
 
 What it does, per optimizer step k (transformers 5 event order):
 
-1. During the backward pass of the *last* micro-batch of the accumulation window it reads every unit's gradient
-   norm. That is the only moment the gradients are final but not yet clipped: `on_pre_optimizer_step` runs after
-   `Trainer._clip_grad_norm`, which rescales every unit at once and would hide a spike. A post-accumulate-grad
-   hook on the units' signal tensors queues one end-of-backward callback (the autograd engine runs it after all
-   gradients of that backward are accumulated); it computes the N norms in one fused pass, on the device, with
-   no sync. The Trainer marks the last micro-batch through accelerate's `GradientState.sync_gradients`.
-2. In `on_optimizer_step` (after `optimizer.step()`, before `zero_grad`) the controller scores those norms and
-   decides; the decision is fetched with the single device-to-host transfer of the step, and units enter or
-   leave recovery (exits first, so at most `max_active` recovery weights exist at any moment). The next
-   forward, step k+1, runs with the new precision.
-3. Metrics go into the Trainer's own logs (so TensorBoard, W&B and the console get them), every decision goes
-   to a JSONL trace in `output_dir`, and the controller state goes into every checkpoint.
+1. It reads every unit's gradient norm once, at the end of the OUTERMOST backward pass of the last micro-batch of
+   the accumulation window: the only moment the gradients are final but not yet clipped (`on_pre_optimizer_step`
+   runs after `Trainer._clip_grad_norm`, which rescales every unit at once and would hide a spike). How: a
+   forward hook on the model puts a tensor hook on its outputs (loss, logits); their gradient is computed at the
+   very start of the backward pass, in the outermost graph task, so the end-of-backward callback queued from
+   there runs after the whole pass, including the nested backwards that reentrant gradient checkpointing runs
+   per layer (a callback queued from a parameter hook would land in such a nested pass and fire too early), and
+   after anything queued during the pass (DDP's gradient averaging, FSDP's reduce-scatter). The N norms are
+   computed in one fused pass on the device with no sync. The Trainer marks the last micro-batch through
+   accelerate's `GradientState.sync_gradients`.
+2. fp16 with a loss scaler (from `TrainingArguments.fp16`, `--mixed_precision fp16` or
+   `ACCELERATE_MIXED_PRECISION`; found as the optimizer's `scaler`): the norms are divided by the scale on the
+   device, and a step the scaler skips for inf/NaN gradients is not observed at all (no history, no decision
+   change; a "skip" line in the trace).
+3. In `on_optimizer_step` the controller scores those norms and decides; the decision is fetched with the single
+   device-to-host transfer of the step, and units enter or leave recovery (exits first, so at most
+   `max_active` recovery weights exist at any moment). The next forward, step k+1, runs with the new precision.
+4. Metrics go into the Trainer's training logs (so TensorBoard, W&B and the console get them; evaluation logs
+   get none), every decision goes to a JSONL trace in `output_dir`, and the controller state goes into every
+   checkpoint's `trainer_state.json`.
 
 Logging detail: `Trainer.log()` hands the same `logs` dict to the callbacks in list order, and the reporting
 integrations are callbacks added before ours. So at train begin this callback moves itself to the front of the
 Trainer's callback list (it finds the list as the caller of `on_train_begin`); `GNMRTrainer` puts it there
 directly.
 
-Resume: the controller state is written to `checkpoint-*/gnmr_state.json` on every save, and also exported
-through `ExportableState` (used only with `restore_callback_states_from_checkpoint=True`). At train begin with
-`global_step > 0` the callback restores from the exported state if present, else from the checkpoint file, so
-both ways give the same decisions as an uninterrupted run.
+Resume: the state is exported through `ExportableState`, so it is in every checkpoint's `trainer_state.json`
+(`stateful_callbacks`), which the Trainer loads on every resume, from any folder. With
+`restore_callback_states_from_checkpoint=True` the Trainer rebuilds the callback with that state; without, the
+callback reads it from `state.stateful_callbacks` itself. Both give the decisions of an uninterrupted run.
+
+A run interrupted by an exception or Ctrl-C skips `on_train_end`; the next `on_train_begin` first closes every
+unit still live on the model (forward wrappers, hooks, recovery weights), so a retry starts from a clean model.
+A fresh run never overwrites an earlier trace or summary: they are set aside as `gnmr_trace.1.jsonl`, ... with a
+warning.
 """
 
 from __future__ import annotations
@@ -34,7 +47,8 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -43,19 +57,19 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
+from .backends.adapters import active_adapters
 from .config import GNMRConfig
 from .controller import GNMRController, HostDecision
 from .signals import UnitSignals
-from .trace import TraceSummary, TraceWriter
-from .units import RecoverableUnit, find_units
+from .trace import TraceSummary, TraceWriter, set_aside
+from .units import RecoverableUnit, close_live_units, find_units, unwrap_model
 
 __all__ = ["GNMRCallback"]
 
 logger = logging.getLogger("gnmr_hf")
 
-STATE_FILE = "gnmr_state.json"
 SUMMARY_FILE = "gnmr_summary.json"
-_METRICS = ("active", "entered", "exited", "candidates", "exceedance_rate", "max_score")
+_METRICS = ("active", "entered", "exited", "candidates", "exceedance_rate", "max_risk", "skipped")
 
 
 class GNMRCallback(TrainerCallback, ExportableState):
@@ -78,21 +92,19 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if isinstance(config, dict):
             config = GNMRConfig.from_dict({**config, **config_kwargs})
         elif config is None:
-            config = GNMRConfig.from_dict(config_kwargs)
-        elif not isinstance(config, GNMRConfig):
-            raise TypeError(f"GNMRCallback: config must be a GNMRConfig or a dict, got {type(config).__name__}")
+            config = GNMRConfig(**config_kwargs)
         elif config_kwargs:
-            raise TypeError(
-                f"GNMRCallback: pass either a GNMRConfig or keyword fields, not both (got {sorted(config_kwargs)})"
-            )
+            raise TypeError("GNMRCallback: pass either a GNMRConfig or keyword fields, not both")
+        if not isinstance(config, GNMRConfig):
+            raise TypeError(f"GNMRCallback: config must be a GNMRConfig or a dict, got {type(config).__name__}")
         self.config = config
         self.module_filter_fn = module_filter_fn
         self.units: list[RecoverableUnit] = []
-        self.controller: GNMRController | None = None
         self.signals: UnitSignals | None = None
+        self.controller: GNMRController | None = None
         self.summary: TraceSummary | None = None
         self.last_decision: HostDecision | None = None
-        # Set by ExportableState restore (Trainer._load_callback_state) before on_train_begin.
+        # Set by the Trainer when it rebuilds this callback from a checkpoint (`ExportableState`).
         self.controller_state: dict[str, Any] | None = None
         self.summary_state: dict[str, Any] | None = None
         self.unit_names: list[str] | None = None
@@ -101,11 +113,19 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self._hooks: list[Any] = []
         self._trace: TraceWriter | None = None
         self._gradient_state: Any = None
+        self._scaler: Any = None
+        self._model: nn.Module | None = None
+        self._adapters: tuple[str, ...] | None = None
+        self._warmup_check_step = 0
         self._window: dict[str, float] = {}
         self._window_steps = 0
 
     # ------------------------------------------------------------------ ExportableState
     def state(self) -> dict[str, Any]:
+        # The Trainer calls this while writing a checkpoint: flush the trace first, so that every step the
+        # checkpoint covers is on disk before the checkpoint exists.
+        if self._trace is not None:
+            self._trace.flush()
         return {
             "args": {"config": self.config.to_dict()},
             "attributes": {
@@ -116,80 +136,108 @@ class GNMRCallback(TrainerCallback, ExportableState):
         }
 
     # ------------------------------------------------------------------ events
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if model is None:
             raise ValueError("GNMRCallback.on_train_begin: the Trainer passed no model")
-        if getattr(args, "fp16", False):
-            raise ValueError(
-                "GNMRCallback: fp16 mixed precision is not supported (TrainingArguments.fp16=True). Its loss "
-                "scaler rescales every gradient by a factor that changes over time, which GNMR would read as "
-                "spikes; use bf16=True or full precision."
-            )
-        self._move_to_front(inspect.currentframe())
+        handler = _calling_handler(inspect.currentframe())
+        if handler is not None:
+            others = [cb for cb in handler.callbacks if isinstance(cb, GNMRCallback) and cb is not self]
+            if others:
+                raise ValueError(
+                    "GNMRCallback: the Trainer has more than one GNMRCallback; one callback manages all units "
+                    "(narrow them with include/exclude/module_filter_fn instead)"
+                )
+        # Start from a clean model: a run interrupted by an exception or Ctrl-C skipped on_train_end and left its
+        # units live (forward wrappers, hooks, recovery weights), this callback's or a callback the Trainer has
+        # since replaced (restore_callback_states_from_checkpoint).
+        self.close()
+        closed = close_live_units(model)
+        if closed:
+            logger.info("GNMR: closed %d units left live on the model by an earlier, interrupted train()", closed)
+        self._move_to_front(handler)
         cfg = self.config
+        self._model = unwrap_model(model)
         self.units = find_units(
-            model,
+            self._model,
             cfg.backend,
             include=cfg.include,
             exclude=cfg.exclude,
             module_filter_fn=self.module_filter_fn,
-            source=cfg.recovery_source,
-            signal=cfg.signal,
+            backend_options=cfg.backend_options,
         )
         try:
-            self._start(args, state)
+            self._start(args, state, optimizer)
         except BaseException:
             # Leave the model as it was found (no forward wrappers, hooks or recovery weights), so that a
             # corrected retry on the same model works.
             self.close()
             raise
-        logger.info(
-            "GNMR: %d %s units, max_active=%d, lock_steps=%d, %s",
-            len(self.units),
-            cfg.backend,
-            cfg.max_active,
-            cfg.lock_steps,
-            "monitor only" if cfg.monitor_only else "active",
-        )
 
-    def _start(self, args: Any, state: Any) -> None:
+    def _start(self, args: Any, state: Any, optimizer: Any) -> None:
         """Everything after unit discovery: signals, controller, restored state, hooks, recovery set, trace."""
         cfg = self.config
         names = [u.name for u in self.units]
         self.signals = UnitSignals(self.units)
         self.controller = GNMRController(cfg, len(self.units), device=self.signals.device)
         self.summary = TraceSummary(unit_names=names)
-        self._restore(args, state, names)
+        self._restore(state, names)
         self._gradient_state = _gradient_state()
+        self._scaler = _loss_scaler(args, optimizer)
+        self._adapters = active_adapters(self._model)
+        self._warmup_check_step = self.controller.step if self.controller.step >= cfg.min_history + cfg.window else 0
         self._install_capture_hooks()
         if not cfg.monitor_only:
             for i in self.controller.active.nonzero().flatten().tolist():
                 self.units[i].enter_recovery()
+        kinds = _unit_kinds(self.units)
+        logger.info(
+            "GNMR: %d %s units (%s), max_active=%d, lock_steps=%d, %s%s",
+            len(self.units),
+            cfg.backend,
+            "; ".join(f"{key}: " + ", ".join(f"{v} x{n}" for v, n in counts.items()) for key, counts in kinds.items()),
+            cfg.max_active,
+            cfg.lock_steps,
+            "monitor only" if cfg.monitor_only else "active",
+            ", fp16 loss scaling: norms unscaled on the device, skipped steps not observed" if self._scaler else "",
+        )
         if cfg.trace_file and state.is_world_process_zero:
+            path = os.path.join(args.output_dir, cfg.trace_file)
+            if state.global_step == 0:
+                for name in (cfg.trace_file, SUMMARY_FILE):
+                    moved = set_aside(os.path.join(args.output_dir, name))
+                    if moved is not None:
+                        logger.warning("GNMR: a new run starts at step 0; the earlier %s was kept as %s", name, moved)
             header = {
                 "units": names,
                 "recovery_bytes": [u.recovery_bytes() for u in self.units],
-                "sources": sorted({str(getattr(u, "source", "")) for u in self.units} - {""}),
+                "backend": cfg.backend,
+                "unit_kinds": kinds,
                 "config": cfg.to_dict(),
             }
-            self._trace = TraceWriter(
-                os.path.join(args.output_dir, cfg.trace_file), header, resume_step=state.global_step
-            )
+            self._trace = TraceWriter(path, header, resume_step=state.global_step)
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        assert self.controller is not None and self.signals is not None and self.summary is not None
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        assert self.controller is not None and self.summary is not None
+        step = state.global_step + 1  # the optimizer step being taken (global_step counts it after on_step_end)
         pending, self._pending = self._pending, None
         self._queued = False
+        self._check_adapters()
+        if self._scaler is not None and getattr(optimizer, "step_was_skipped", False):
+            # The scaler found inf/NaN gradients and skipped the update: this step changed nothing, so the
+            # controller does not see it (a loss-scale overflow is not a unit's failure).
+            self.summary.skipped_steps += 1
+            self._window["skipped"] = self._window.get("skipped", 0.0) + 1
+            if self._trace is not None:
+                self._trace.write_skip(step, "fp16 loss scaler skipped the step (inf/NaN gradients)")
+            return
         if pending is None:
-            # No backward reached a signal tensor this step (e.g. every unit unused): all units are missing.
-            device = self.controller.device
-            n = self.controller.num_units
-            pending = (
-                torch.full((n,), torch.nan, device=device),
-                torch.ones(n, dtype=torch.bool, device=device),
-            )
-        decision = self.controller.observe(*pending).to_host(top_k=self.config.trace_top_k)
-        if not self.config.monitor_only:
+            # No backward reached the model's outputs this step: every unit is missing.
+            n, device = self.controller.num_units, self.controller.device
+            pending = (torch.full((n,), torch.nan, device=device), torch.ones(n, dtype=torch.bool, device=device))
+        cfg = self.config
+        check_history = self._warmup_check_step == 0 and self.controller.step + 1 >= cfg.min_history + cfg.window
+        decision = self.controller.observe(*pending).to_host(top_k=cfg.trace_top_k, history=check_history)
+        if not cfg.monitor_only:
             # Exits before entries: the number of live recovery weights never exceeds max_active.
             for i in decision.exited:
                 self.units[i].exit_recovery()
@@ -199,12 +247,17 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self.summary.add(decision.active, decision.entered, decision.exited, decision.risky)
         self._accumulate(decision)
         if self._trace is not None:
-            self._trace.write(decision)
+            self._trace.write(decision, step=step)
+        if check_history:
+            self._warmup_check_step = decision.step
+            self._warn_unscored(decision)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._trace is not None:
             self._trace.flush()
-        if logs is None or not self._window_steps:
+        # Only the Trainer's training logs (they carry "loss") get GNMR metrics: an evaluation log in between
+        # would otherwise take the metrics of the steps since the last training log.
+        if logs is None or "loss" not in logs or not self._window_steps:
             return
         metrics = self._pop_metrics()
         logs.update(metrics)
@@ -213,29 +266,12 @@ class GNMRCallback(TrainerCallback, ExportableState):
             state.log_history[-1].update(metrics)
 
     def on_save(self, args, state, control, **kwargs):
-        if self.controller is None or not state.is_world_process_zero:
-            return
         if self._trace is not None:
             self._trace.flush()
-        checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if not os.path.isdir(checkpoint):
-            logger.warning("GNMR: checkpoint folder %s not found; controller state not saved there", checkpoint)
-            return
-        payload = {
-            "controller": self.controller.json_state(),
-            "summary": self.summary.state() if self.summary is not None else None,
-            "unit_names": [u.name for u in self.units],
-            "config": self.config.to_dict(),
-        }
-        tmp = os.path.join(checkpoint, STATE_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(payload, f)
-        os.replace(tmp, os.path.join(checkpoint, STATE_FILE))  # atomic: a crash never leaves half a state
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.summary is not None and state.is_world_process_zero:
-            text = self.summary.format()
-            logger.info("\n%s", text)
+            logger.info("\n%s", self.summary.format())
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
                 json.dump(self.summary.as_dict(), f, indent=2)
@@ -252,13 +288,13 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+        self._pending, self._queued = None, False
 
-    def _move_to_front(self, frame: Any) -> None:
+    def _move_to_front(self, handler: CallbackHandler | None) -> None:
         # Trainer.log() passes one `logs` dict to the callbacks in list order; the reporting integrations
         # (TensorBoard, W&B, ...) are usually ahead of a callback added with `add_callback`, so our metrics
-        # must be added first. The handler calling us owns that list.
-        handler = frame.f_back.f_locals.get("self") if frame is not None and frame.f_back else None
-        if isinstance(handler, CallbackHandler) and self in handler.callbacks:
+        # must be added first.
+        if handler is not None and self in handler.callbacks:
             handler.callbacks.remove(self)
             handler.callbacks.insert(0, self)
         else:
@@ -267,74 +303,105 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 "but maybe not reporting integrations listed before this callback"
             )
 
-    def _restore(self, args: Any, state: Any, names: list[str]) -> None:
+    def _restore(self, state: Any, names: list[str]) -> None:
+        """Restore the controller from the state the Trainer rebuilt this callback with, or else from the
+        checkpoint's `trainer_state.json` (`state.stateful_callbacks`), which the Trainer loads on every resume."""
         assert self.controller is not None and self.summary is not None
-        payload: dict[str, Any] | None = None
-        if self.controller_state is not None and self.controller_state.get("step") == state.global_step:
-            payload = {
-                "controller": self.controller_state,
-                "summary": self.summary_state,
+        attributes: dict[str, Any] | None = None
+        if self.controller_state is not None:
+            attributes = {
+                "controller_state": self.controller_state,
+                "summary_state": self.summary_state,
                 "unit_names": self.unit_names,
             }
-        elif state.global_step > 0:
-            for folder in (
-                os.path.join(args.output_dir, f"checkpoint-{state.global_step}"),
-                getattr(args, "resume_from_checkpoint", None),
-            ):
-                path = os.path.join(folder, STATE_FILE) if isinstance(folder, str) else None
-                if path is not None and os.path.isfile(path):
-                    with open(path) as f:
-                        payload = json.load(f)
-                    break
+        else:
+            attributes = _exported_attributes(getattr(state, "stateful_callbacks", None))
         self.controller_state = self.summary_state = self.unit_names = None
-        if payload is None:
+        saved = (attributes or {}).get("controller_state")
+        if saved is None or (saved.get("step", 0) == 0 and state.global_step == 0):
             if state.global_step > 0:
                 logger.warning(
-                    "GNMR: resuming at step %d but no GNMR state was found (neither restored callback state nor "
-                    "%s in the checkpoint); the controller starts fresh and re-warms its history",
+                    "GNMR: resuming at step %d but no GNMR state was found in the checkpoint; the controller "
+                    "starts fresh and re-warms its history",
                     state.global_step,
-                    STATE_FILE,
                 )
             return
-        saved_names = payload.get("unit_names")
+        saved_names = attributes.get("unit_names")
         if saved_names is not None and list(saved_names) != names:
             raise ValueError(
                 "GNMRCallback: the checkpoint's GNMR state was made for different units "
                 f"({len(saved_names)} saved, {len(names)} found now); resume with the same model, backend and "
                 "include/exclude/module_filter_fn"
             )
-        self.controller.load_state_dict(payload["controller"])
-        if payload.get("summary") is not None:
-            self.summary.load_state(payload["summary"])
-        logger.info("GNMR: restored controller state at step %d", self.controller.step)
+        self.controller.load_state_dict(saved)
+        if attributes.get("summary_state") is not None:
+            self.summary.load_state(attributes["summary_state"])
+        logger.info("GNMR: restored the controller state of optimizer step %d", state.global_step)
 
     def _install_capture_hooks(self) -> None:
-        assert self.signals is not None
-        triggers = list(self.signals.tensors)
-        if not triggers:
-            # Units scored by output-gradient meters only: any trainable parameter marks the backward.
-            triggers = [p for u in self.units for p in u.module.parameters() if p.requires_grad]
-            if not triggers:
-                raise ValueError(
-                    "GNMRCallback: the units have no trainable parameters and no LoRA parameters, so there is "
-                    "no backward pass to read gradients from"
-                )
-        self._hooks = [t.register_post_accumulate_grad_hook(self._on_grad_accumulated) for t in triggers]
+        assert self._model is not None
+        self._hooks = [self._model.register_forward_hook(self._on_model_forward)]
 
-    def _on_grad_accumulated(self, tensor: torch.Tensor) -> None:
+    def _on_model_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for tensor in _output_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        # Runs at the start of the outermost backward pass through the model (its outputs' gradients come first).
         if self._queued or not self._gradient_state.sync_gradients:
             return
         self._queued = True
-        # The engine runs queued callbacks after every gradient of this backward pass is accumulated, in
-        # queue order, including callbacks queued while they run. Queueing from inside one puts our read
-        # after any end-of-backward callback queued during the pass (DDP's reducer queues its gradient
-        # averaging there once the last bucket is ready) and still before any clipping.
+        # The engine runs queued callbacks after the whole pass, in queue order, including callbacks queued while
+        # they run: queueing from inside one puts our read after every end-of-backward callback queued during
+        # the pass (DDP's averaging once the last bucket is ready), and still before any clipping.
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(lambda: engine.queue_callback(self._capture))
 
     def _capture(self) -> None:
         assert self.signals is not None
-        self._pending = self.signals.compute()
+        norms, missing = self.signals.compute()
+        if self._scaler is not None:
+            # Gradients are still multiplied by the loss scale here (the Trainer unscales them when it clips).
+            norms = norms / _loss_scale(self._scaler).to(norms.device)
+        self._pending = (norms, missing)
+        self._queued = False
+
+    def _check_adapters(self) -> None:
+        if self._adapters is None or self._model is None:
+            return
+        now = active_adapters(self._model)
+        if now != self._adapters:
+            before = self._adapters
+            self.close()
+            raise ValueError(
+                f"GNMRCallback: the model's active adapters changed from {list(before)} to {list(now or ())} after "
+                "training began; GNMR scores each unit on the adapters active at train begin and would read the "
+                "wrong ones. Change adapters between train() calls: each call finds the units again"
+            )
+
+    def _warn_unscored(self, decision: HostDecision) -> None:
+        missing = decision.no_history
+        if missing is None or not len(missing):
+            return
+        names = [self.units[i].name for i in missing]
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        kinds = Counter(getattr(self.units[i], "signal", "?") for i in missing)
+        logger.warning(
+            "GNMR: after %d steps, %d of %d units still have no score (fewer than min_history=%d gradients, or only "
+            "zero gradients), so GNMR cannot protect them: %s (signal kinds: %s). A unit scored on its output "
+            "gradient gets none where nothing before it requires grad: call model.enable_input_require_grads() "
+            "(peft's prepare_model_for_kbit_training does), or put LoRA on these modules, or exclude them "
+            "(GNMRConfig.exclude).",
+            decision.step,
+            len(names),
+            len(self.units),
+            self.config.min_history,
+            shown,
+            dict(kinds),
+        )
 
     def _accumulate(self, decision: HostDecision) -> None:
         w = self._window
@@ -344,16 +411,77 @@ class GNMRCallback(TrainerCallback, ExportableState):
         w["exited"] = w.get("exited", 0.0) + len(decision.exited)
         w["candidates"] = float(decision.n_candidates)
         w["exceedance_rate"] = w.get("exceedance_rate", 0.0) + decision.exceedance_rate
-        if not np.isnan(decision.max_score):
-            w["max_score"] = max(w.get("max_score", 0.0), decision.max_score)
+        if not np.isnan(decision.max_risk):
+            w["max_risk"] = max(w.get("max_risk", 0.0), decision.max_risk)
 
     def _pop_metrics(self) -> dict[str, float]:
-        """Metrics since the last log: current active/candidates, summed flips, mean exceedance, max score."""
+        """Metrics since the last log: current active/candidates, summed flips, mean exceedance, max risk."""
         w, steps = self._window, self._window_steps
         metrics = {f"gnmr/{k}": w[k] for k in _METRICS if k in w}
         metrics["gnmr/exceedance_rate"] = w.get("exceedance_rate", 0.0) / steps
         self._window, self._window_steps = {}, 0
         return metrics
+
+
+def _calling_handler(frame: Any) -> CallbackHandler | None:
+    """The Trainer's `CallbackHandler` calling this event (it owns the callback list), if it is the caller."""
+    caller = frame.f_back.f_locals.get("self") if frame is not None and frame.f_back else None
+    return caller if isinstance(caller, CallbackHandler) else None
+
+
+def _output_tensors(output: Any) -> list[torch.Tensor]:
+    """The top-level tensors of a model's output (a tensor, a ModelOutput / dict, or a tuple)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _exported_attributes(stateful: Any) -> dict[str, Any] | None:
+    """This callback's exported attributes in a loaded `TrainerState.stateful_callbacks`, if any."""
+    if not isinstance(stateful, Mapping):
+        return None
+    entry = stateful.get(GNMRCallback.__name__)
+    if isinstance(entry, list):  # the Trainer stores a list when several callbacks share a class
+        entry = entry[0] if entry else None
+    return entry.get("attributes") if isinstance(entry, Mapping) else None
+
+
+def _unit_kinds(units: list[RecoverableUnit]) -> dict[str, dict[str, int]]:
+    """{key: {value: count}} over what each unit's `describe()` reports (its signal kind, its source, ...)."""
+    kinds: dict[str, Counter[str]] = {}
+    for unit in units:
+        for key, value in unit.describe().items():
+            kinds.setdefault(key, Counter())[str(value)] += 1
+    return {key: dict(counts.most_common()) for key, counts in kinds.items()}
+
+
+def _loss_scaler(args: Any, optimizer: Any) -> Any:
+    """The optimizer's fp16 loss scaler (accelerate's `AcceleratedOptimizer.scaler`), if one is active.
+
+    Found on the optimizer rather than from `args.fp16`, because fp16 can also come from `accelerate launch
+    --mixed_precision fp16` or ACCELERATE_MIXED_PRECISION (then `args.mixed_precision == "fp16"` and
+    `args.fp16` is False), and on a CPU accelerate runs fp16 without a scaler.
+    """
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is not None and scaler.is_enabled():
+        return scaler
+    precision = getattr(args, "mixed_precision", "no")
+    if (getattr(args, "fp16", False) or precision == "fp16") and getattr(args, "deepspeed", None):
+        raise ValueError(
+            "GNMRCallback: fp16 under DeepSpeed scales the loss inside the engine, where GNMR cannot read the scale "
+            "and would read its changes as spikes; use bf16 with DeepSpeed, or fp16 with DDP/FSDP"
+        )
+    return None
+
+
+def _loss_scale(scaler: Any) -> torch.Tensor:
+    # `GradScaler.get_scale()` returns a Python float, i.e. a device sync; the scale tensor itself is private
+    # (`_scale`) but stable across torch 2.x, and is set by the time a scaled backward has run.
+    scale = getattr(scaler, "_scale", None)
+    if not isinstance(scale, torch.Tensor):
+        raise RuntimeError("GNMRCallback: the fp16 loss scaler has no scale tensor after a scaled backward pass")
+    return scale
 
 
 def _gradient_state() -> Any:

@@ -1,30 +1,20 @@
-"""`GNMRConfig`: every knob of the GNMR policy, as a dataclass `HfArgumentParser` can read.
+"""`GNMRConfig`: every knob of the GNMR policy and of its Trainer integration, as a dataclass that
+`HfArgumentParser` can read (also beside `TrainingArguments`).
 
-The paper (arXiv 2606.00539) names its knobs with symbols; we name them with words and map them once here:
-
-| field        | paper     | meaning                                                                 |
-|--------------|-----------|-------------------------------------------------------------------------|
-| `max_active` | maxO      | hard cap on units in the recovery (high-fidelity) path at any step      |
-| `lock_steps` | T_lock    | steps a selected unit stays in recovery after its last risky step       |
-| `window`     | delta     | number of past GNMR values averaged for the short-window score DGNMR    |
-| `alpha`      | alpha_t   | threshold on GNMR = n_t / mean(n_1..n_{t-1})                            |
-| `beta`       | beta_t    | threshold on DGNMR = GNMR_t / mean(GNMR_{t-delta}..GNMR_{t-1})          |
-
-The fields below the table are the decisions the paper leaves open (see docs/method.md for the reasons):
-warm-up (`min_history`), threshold schedules (`threshold_schedule`, `alpha_final`, `beta_final`,
-`schedule_steps`), and how the Trainer integration runs (`backend`, `monitor_only`, ...).
+Fields are named in words for the paper's symbols; the one table of symbols and fields, with the decisions the
+paper leaves open, is in docs/method.md. The backend's own options (`backend_options`) belong to the backend:
+they are validated by it (`gnmr_hf.units.get_backend(name).options`), so this module imports no backend.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-# The backend module imports neither bitsandbytes nor peft at import time, so this stays light.
-from .backends.bnb_int8 import SIGNALS, SOURCES
-from .units import known_backends
+from .units import get_backend, known_backends, parse_options_text
 
 __all__ = ["GNMRConfig"]
 
@@ -33,11 +23,7 @@ _SCHEDULES = ("constant", "linear", "cosine")
 
 @dataclass
 class GNMRConfig:
-    """Configuration of the GNMR controller and its Trainer integration.
-
-    Symbols (paper -> field): maxO -> `max_active`, T_lock -> `lock_steps`, delta -> `window`,
-    alpha_t -> `alpha` (with `threshold_schedule`), beta_t -> `beta`.
-    """
+    """Configuration of the GNMR controller and its Trainer integration (symbols: see docs/method.md)."""
 
     max_active: int = field(
         default=4,
@@ -84,19 +70,11 @@ class GNMRConfig:
         default="bnb_int8",
         metadata={"help": "Which units to manage: 'bnb_int8', or a name given to gnmr_hf.register_backend."},
     )
-    recovery_source: str = field(
-        default="auto",
+    backend_options: dict | str | None = field(
+        default=None,
         metadata={
-            "help": "Where the BF16 recovery weight comes from: 'checkpoint' (the model's local safetensors), "
-            "'dequantize' (the INT8 weight and its scales), or 'auto' (checkpoint when available)."
-        },
-    )
-    signal: str = field(
-        default="auto",
-        metadata={
-            "help": "The gradient a unit is scored on: 'lora' (its LoRA parameters), 'weight' (its own "
-            "trainable weight), 'output_grad' (the gradient of its output, via a backward hook), or "
-            "'auto' (lora, else weight, else output_grad)."
+            "help": "The backend's own options, as a JSON object or 'key=value,key=value' text (a dict in Python), "
+            "e.g. 'source=dequantize,signal=lora' for bnb_int8. Validated by the backend; see its options class."
         },
     )
     include: list[str] | None = field(
@@ -127,8 +105,7 @@ class GNMRConfig:
         self._check_threshold("beta")
         self._check_choice("threshold_schedule", _SCHEDULES)
         self._check_choice("backend", known_backends())
-        self._check_choice("recovery_source", SOURCES)
-        self._check_choice("signal", SIGNALS)
+        self._check_backend_options()
         if self.threshold_schedule == "constant":
             for name in ("alpha_final", "beta_final"):
                 if getattr(self, name) is not None:
@@ -161,19 +138,32 @@ class GNMRConfig:
                     raise ValueError(f"GNMRConfig.{name} has an invalid regex {pattern!r}: {err}") from None
 
     def _check_int(self, name: str, minimum: int) -> None:
+        # numbers.Integral admits numpy integers (a value read from an array or a sweep), not bools.
         value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"GNMRConfig.{name} must be an int >= {minimum}, got {value!r}")
         if value < minimum:
             raise ValueError(f"GNMRConfig.{name} must be an int >= {minimum}, got {value}")
+        setattr(self, name, int(value))
 
     def _check_threshold(self, name: str) -> None:
+        # numbers.Real admits numpy floats (np.float32(3.0) is not a Python float), not bools.
         value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"GNMRConfig.{name} must be a finite number > 0, got {value!r}")
         if not math.isfinite(value) or value <= 0:
             raise ValueError(f"GNMRConfig.{name} must be a finite number > 0, got {value}")
         setattr(self, name, float(value))
+
+    def _check_backend_options(self) -> None:
+        """Parse `backend_options` (dict, JSON or key=value text) into a dict and let the backend validate it."""
+        try:
+            options = parse_options_text(self.backend_options, what="GNMRConfig.backend_options")
+            get_backend(self.backend).parse_options(options)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"GNMRConfig.backend_options: {err}") from None
+        # Kept as the plain dict (JSON-safe for checkpoints and `to_dict`), with values as given.
+        self.backend_options = options
 
     def _check_choice(self, name: str, allowed: tuple[str, ...]) -> None:
         value = getattr(self, name)

@@ -1,12 +1,18 @@
 """The decision trace: one JSON line per optimizer step, and the summary computed from it.
 
 The trace is the record of what GNMR did and why: which units ran in recovery, which entered and left, which
-were risky, the riskiest scores and the thresholds. It is compact (indices, not masks: a quiet step of a
-10k-unit model is a few dozen bytes) and append-only. It is flushed once every `flush_seconds` at most (and at every
-checkpoint, log and the end of training, see the callback): a flush per step costs more than the decision
-itself on a small model, and what a hard kill can lose is at most the last second, which a resume from the
-last checkpoint rewrites anyway. The first line is a header with the unit names, so a trace can be read
-without the model.
+were risky, the riskiest risks and the thresholds. It is compact (indices, not masks: a quiet step of a 10k-unit
+model is a few dozen bytes) and append-only. The first line is a header with the unit names and what the backend
+reports about its units, so a trace can be read without the model. `step` is the Trainer's optimizer step (1-based,
+`global_step` after it); `t` is the controller's own step count, which falls behind `step` only where the fp16
+loss scaler skipped a step (written as a `"skip"` record: the controller never saw it).
+
+Durability: lines are flushed once every `flush_seconds` at most, at every log, and before every checkpoint is
+written (the callback flushes from its `state()`, which the Trainer calls while saving), so a checkpoint never
+refers to a step whose line is still in a buffer. A flush per step would cost more than the decision itself on a
+small model. A process killed hard loses at most the lines after the last flush, all after the last checkpoint,
+which a resume from that checkpoint rewrites. A line cut in half by such a kill is dropped with a warning, by
+the resume and by `gnmr-hf report` alike.
 
 `TraceSummary` is fed either live (by the callback, from `HostDecision`s) or from a trace file (by
 `gnmr-hf report`); both give the same numbers because both go through `TraceSummary.add`.
@@ -15,6 +21,7 @@ without the model.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -27,27 +34,32 @@ import numpy as np
 
 from .controller import HostDecision
 
-__all__ = ["TraceSummary", "TraceWriter", "read_trace"]
+__all__ = ["TraceSummary", "TraceWriter", "read_trace", "set_aside"]
 
-TRACE_VERSION = 1
+logger = logging.getLogger("gnmr_hf")
+
+TRACE_VERSION = 2
+# Version 1 (gnmr-hf 0.1.0) named two fields after what they were not: they hold a count of scored units and a risk.
+_V1_NAMES = {"n_eligible": "n_scored", "max_score": "max_risk"}
 # One compact encoder for every line: `json.dumps(..., separators=...)` would build a new encoder per step.
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
-def decision_record(decision: HostDecision) -> dict[str, Any]:
-    """The JSON-safe trace line for one step."""
+def decision_record(decision: HostDecision, step: int | None = None) -> dict[str, Any]:
+    """The JSON-safe trace line for one step (`step`: the Trainer's optimizer step; default the controller's)."""
     return {
         "type": "step",
-        "step": decision.step,
+        "step": decision.step if step is None else step,
+        "t": decision.step,
         "active": decision.active.tolist(),
         "entered": decision.entered.tolist(),
         "exited": decision.exited.tolist(),
         "risky": decision.risky.tolist(),
-        "n_eligible": decision.n_eligible,
+        "n_scored": decision.n_scored,
         "n_candidates": decision.n_candidates,
-        "max_score": None if math.isnan(decision.max_score) else _json_float(decision.max_score),
+        "max_risk": None if math.isnan(decision.max_risk) else _json_float(decision.max_risk),
         "top": [
-            [i, _json_float(s)] for i, s in zip(decision.top_units.tolist(), decision.top_scores.tolist(), strict=True)
+            [i, _json_float(s)] for i, s in zip(decision.top_units.tolist(), decision.top_risks.tolist(), strict=True)
         ],
         "alpha": decision.alpha,
         "beta": decision.beta,
@@ -60,7 +72,11 @@ def _json_float(x: float) -> float | str:
 
 
 class TraceWriter:
-    """Appends decision records to a JSONL file; resuming truncates what came after the resumed step."""
+    """Appends decision records to a JSONL file; resuming truncates what came after the resumed step.
+
+    A fresh run (`resume_step == 0`) starts a new file; the caller decides what happens to an old one (the
+    callback sets it aside with `set_aside`, so nothing is overwritten silently).
+    """
 
     def __init__(
         self, path: str | os.PathLike[str], header: dict[str, Any], resume_step: int = 0, flush_seconds: float = 1.0
@@ -71,11 +87,11 @@ class TraceWriter:
         kept: list[str] = []
         if resume_step > 0 and self.path.exists():
             # Keep the header and steps <= resume_step: the resumed run rewrites what followed.
-            with self.path.open() as f:
-                for line in f:
-                    record = json.loads(line)
-                    if record.get("type") == "header" or record.get("step", 0) <= resume_step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
+            kept = [
+                line
+                for record, line in _records(self.path)
+                if record.get("type") == "header" or record.get("step", 0) <= resume_step
+            ]
         self._file = self.path.open("w")
         if kept:
             self._file.writelines(kept)
@@ -86,8 +102,17 @@ class TraceWriter:
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(_ENCODER.encode(record) + "\n")
 
-    def write(self, decision: HostDecision) -> None:
-        self._write(decision_record(decision))
+    def write(self, decision: HostDecision, step: int | None = None) -> None:
+        """Write one step's decision (`step`: the Trainer's optimizer step; default the controller's)."""
+        self._write(decision_record(decision, step))
+        self._maybe_flush()
+
+    def write_skip(self, step: int, reason: str) -> None:
+        """Record an optimizer step the controller did not observe (the fp16 loss scaler skipped it)."""
+        self._write({"type": "skip", "step": step, "reason": reason})
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
         if time.monotonic() - self._flushed_at >= self.flush_seconds:
             self.flush()
 
@@ -100,30 +125,67 @@ class TraceWriter:
             self._file.close()
 
 
+def _records(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
+    """(record, line) for each line of a trace, newline-terminated. A last line that is not valid JSON is what a
+    process killed mid-write leaves: it is dropped with a warning. Any other bad line is an error."""
+    with path.open() as f:
+        lines = f.readlines()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if lineno == len(lines):
+                logger.warning(
+                    "GNMR trace %s: dropped its last line, cut off mid-write (%d characters): %s", path, len(line), err
+                )
+                return
+            raise ValueError(f"read_trace: {path}:{lineno} is not JSON: {err}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"read_trace: {path}:{lineno} is not a JSON object")
+        yield record, line if line.endswith("\n") else line + "\n"
+
+
 def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Return (header, step records) of a trace file, with a clear error for anything else."""
+    """Return (header, records) of a trace file: the records are the "step" and "skip" lines, in order.
+
+    A trace of gnmr-hf 0.1.0 (version 1) is read with its fields renamed to today's. Errors are clear: no file,
+    no header, a corrupt line (other than a cut-off last line, which is dropped with a warning).
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"read_trace: no trace file at {path}")
     header: dict[str, Any] | None = None
-    steps: list[dict[str, Any]] = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"read_trace: {path}:{lineno} is not JSON: {err}") from None
-            if record.get("type") == "header":
-                header = record
-            elif record.get("type") == "step":
-                steps.append(record)
-            else:
-                raise ValueError(f"read_trace: {path}:{lineno} has unknown record type {record.get('type')!r}")
+    records: list[dict[str, Any]] = []
+    for lineno, (record, _) in enumerate(_records(path), 1):
+        kind = record.get("type")
+        if kind == "header":
+            header = record
+        elif kind in ("step", "skip"):
+            if header is not None and header.get("version") == 1:
+                record = {_V1_NAMES.get(k, k): v for k, v in record.items()}
+            if not isinstance(record.get("step"), int):
+                raise ValueError(f"read_trace: {path}: record {lineno} has no integer 'step'")
+            records.append(record)
+        else:
+            raise ValueError(f"read_trace: {path}: record {lineno} has unknown record type {kind!r}")
     if header is None:
         raise ValueError(f"read_trace: {path} has no header line; is it a gnmr-hf trace?")
-    return header, steps
+    return header, records
+
+
+def set_aside(path: str | os.PathLike[str]) -> Path | None:
+    """Rename an existing file `name.ext` to the first free `name.N.ext` (N = 1, 2, ...); return the new path, or
+    None if there was nothing to move. A new run never overwrites the record of an earlier one."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    n = 1
+    while (target := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    path.rename(target)
+    return target
 
 
 @dataclass
@@ -137,6 +199,7 @@ class TraceSummary:
     risky_unit_steps: int = 0
     over_budget_steps: int = 0
     max_active_seen: int = 0
+    skipped_steps: int = 0
     recovery_steps: np.ndarray = field(default=None)  # type: ignore[assignment]
     risky_steps: np.ndarray = field(default=None)  # type: ignore[assignment]
 
@@ -162,7 +225,10 @@ class TraceSummary:
         self.risky_steps[risky] += 1
 
     def add_record(self, record: dict[str, Any]) -> None:
-        self.add(record["active"], record["entered"], record["exited"], record["risky"])
+        if record.get("type") == "skip":
+            self.skipped_steps += 1
+        else:
+            self.add(record["active"], record["entered"], record["exited"], record["risky"])
 
     @property
     def recovery_fraction(self) -> float:
@@ -190,6 +256,7 @@ class TraceSummary:
             "risky_unit_steps": self.risky_unit_steps,
             "steps_with_risky_units_left_out": self.over_budget_steps,
             "max_active_seen": self.max_active_seen,
+            "skipped_steps": self.skipped_steps,
             "top_units": [{"name": n, "recovery_steps": r, "risky_steps": s} for n, r, s in self.top_units(k)],
         }
 
@@ -204,6 +271,8 @@ class TraceSummary:
             f"  most units in recovery at once {self.max_active_seen}",
             f"  steps with risky units left out by the budget {self.over_budget_steps}",
         ]
+        if self.skipped_steps:
+            lines.append(f"  steps skipped by the fp16 loss scaler (not observed) {self.skipped_steps}")
         top = self.top_units(k)
         if top:
             width = max(len(n) for n, _, _ in top)
@@ -222,6 +291,7 @@ class TraceSummary:
             "risky_unit_steps": self.risky_unit_steps,
             "over_budget_steps": self.over_budget_steps,
             "max_active_seen": self.max_active_seen,
+            "skipped_steps": self.skipped_steps,
             "recovery_steps": self.recovery_steps.tolist(),
             "risky_steps": self.risky_steps.tolist(),
         }
@@ -236,16 +306,17 @@ class TraceSummary:
             "max_active_seen",
         ):
             setattr(self, key, int(state[key]))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         self.recovery_steps = np.asarray(state["recovery_steps"], dtype=np.int64)
         self.risky_steps = np.asarray(state["risky_steps"], dtype=np.int64)
 
     @classmethod
     def from_trace(cls, path: str | os.PathLike[str]) -> tuple[TraceSummary, dict[str, Any], list[dict[str, Any]]]:
-        header, steps = read_trace(path)
+        header, records = read_trace(path)
         summary = cls(unit_names=list(header["units"]))
-        for record in steps:
+        for record in records:
             summary.add_record(record)
-        return summary, header, steps
+        return summary, header, [r for r in records if r["type"] == "step"]
 
 
 def iter_scores(steps: list[dict[str, Any]], unit: int) -> Iterator[tuple[int, float]]:

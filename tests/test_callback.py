@@ -229,7 +229,7 @@ def test_one_device_to_host_sync_per_optimizer_step(tiny_llama_dir, dataset, tmp
 
     # source="dequantize": reading the checkpoint goes through safetensors, which reads its memory-mapped
     # *host* storage with scalar reads; on CPU those look like the syncs counted here, on a GPU they are not.
-    runs = {"plain": False, "gnmr": GNMRConfig(**CFG, recovery_source="dequantize")}
+    runs = {"plain": False, "gnmr": GNMRConfig(**CFG, backend_options={"source": "dequantize"})}
     for key, gnmr in runs.items():
         trainer = make_trainer(
             tiny_llama_dir, dataset, tmp_path / key, gnmr=gnmr, max_steps=8, spike_step=5, logging_steps=100
@@ -251,7 +251,7 @@ def test_monitor_only_scores_and_logs_but_never_flips(tiny_llama_dir, dataset, t
     idx = [u.name for u in rec.gnmr.units].index(SPIKED)
     assert idx in steps[SPIKE_STEP - 1]["active"]  # the decision is made and traced ...
     assert all(names == [] for names in rec.in_recovery_at_step.values())  # ... but never applied
-    assert any("gnmr/max_score" in logs for logs in rec.logs)
+    assert any("gnmr/max_risk" in logs for logs in rec.logs)
 
 
 def test_metrics_reach_reporting_callbacks_added_before_gnmr(tiny_llama_dir, dataset, tmp_path):
@@ -291,7 +291,8 @@ def test_resume_from_checkpoint_gives_identical_decisions(tiny_llama_dir, datase
 
     run = tmp_path / "run"
     make_trainer(tiny_llama_dir, dataset, run, max_steps=10, spike_step=4, save_strategy="steps", save_steps=5).train()
-    assert (run / "checkpoint-5" / "gnmr_state.json").is_file()
+    exported = json.loads((run / "checkpoint-5" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert exported["GNMRCallback"]["attributes"]["controller_state"]["step"] == 5
     assert steps_of(run) == reference
     # Drop everything after the checkpoint, as after a crash at step 7, then resume in a fresh Trainer.
     shutil.rmtree(run / "checkpoint-10")

@@ -34,8 +34,12 @@ INVALID = [
     ({"beta": None}, TypeError, "beta"),
     ({"threshold_schedule": "exponential"}, ValueError, "threshold_schedule"),
     ({"backend": "fp4"}, ValueError, "backend"),
-    ({"recovery_source": "disk"}, ValueError, "recovery_source"),
-    ({"signal": "activation"}, ValueError, "signal"),
+    ({"backend_options": {"source": "disk"}}, ValueError, "backend_options"),
+    ({"backend_options": "signal=activation"}, ValueError, "backend_options"),
+    ({"backend_options": {"sorce": "auto"}}, ValueError, "backend_options"),
+    ({"backend_options": "source"}, ValueError, "backend_options"),
+    ({"backend_options": "{not json"}, ValueError, "backend_options"),
+    ({"backend_options": 3}, TypeError, "backend_options"),
     ({"alpha_final": 2.0}, ValueError, "alpha_final"),
     ({"beta_final": 2.0}, ValueError, "beta_final"),
     ({**SCHEDULE, "alpha_final": None}, ValueError, "alpha_final"),
@@ -58,6 +62,14 @@ def test_invalid_value_raises_an_error_naming_the_field(overrides, error, field)
 def test_defaults_are_valid():
     config = GNMRConfig()
     assert (config.max_active, config.lock_steps, config.window, config.min_history) == (4, 8, 8, 4)
+
+
+def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():
+    np = pytest.importorskip("numpy")
+    config = GNMRConfig(alpha=np.float32(3.0), beta=np.float64(2.5), max_active=np.int64(2), window=np.int32(4))
+    assert (config.alpha, config.beta, config.max_active, config.window) == (3.0, 2.5, 2, 4)
+    assert type(config.alpha) is float and type(config.max_active) is int
+    assert GNMRConfig.from_dict(config.to_dict()) == config
 
 
 def test_integer_thresholds_are_stored_as_floats():
@@ -121,3 +133,24 @@ def test_hf_argument_parser_applies_the_validation():
 
     with pytest.raises(ValueError, match=r"GNMRConfig\.max_active"):
         HfArgumentParser(GNMRConfig).parse_args_into_dataclasses(args=["--max_active", "0"])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"source": "dequantize", "signal": "lora"}',
+        "source=dequantize,signal=lora",
+        " source = dequantize , signal=lora ",
+    ],
+)
+def test_backend_options_are_read_from_json_or_key_value_text(text):
+    assert GNMRConfig(backend_options=text).backend_options == {"source": "dequantize", "signal": "lora"}
+
+
+def test_backend_options_come_from_the_command_line_beside_training_arguments():
+    from transformers import HfArgumentParser, TrainingArguments
+
+    args = ["--output_dir", "/tmp/x", "--max_active", "3", "--backend_options", "source=dequantize,signal=lora"]
+    config, _ = HfArgumentParser((GNMRConfig, TrainingArguments)).parse_args_into_dataclasses(args=args)
+    assert config.backend_options == {"source": "dequantize", "signal": "lora"} and config.max_active == 3
+    assert GNMRConfig.from_dict(config.to_dict()) == config

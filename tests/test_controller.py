@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from gnmr_hf import GNMRConfig, GNMRController
-from gnmr_hf._topk import TopK
 
 NAN, INF = math.nan, math.inf
 # GNMR alone decides (beta is out of reach), two units may be in recovery, locks last two steps.
@@ -156,7 +155,7 @@ def test_no_score_and_no_decision_before_min_history_past_norms():
     config = GNMRConfig(max_active=2, lock_steps=2, window=2, min_history=3, alpha=2.0, beta=2.0)
     # A huge norm during warm-up (step 2) is no reason to act: there is no history to compare it with.
     decisions = run(config, [[1.0], [100.0], [1.0], [1.0], [1.0], [1.0]])
-    assert [d.eligible.item() for d in decisions] == [False, False, False, True, True, True]
+    assert [d.scored.item() for d in decisions] == [False, False, False, True, True, True]
     assert [math.isnan(d.gnmr.item()) for d in decisions] == [True, True, True, False, False, False]
     assert not any(d.risky.item() for d in decisions)
     assert [d.risk.item() for d in decisions[:3]] == [0.0, 0.0, 0.0]
@@ -179,7 +178,7 @@ def test_an_unscored_step_restarts_the_dgnmr_window():
 def test_a_unit_whose_past_norms_are_all_zero_gets_no_score():
     # Its mean is 0, so n / mean is no measure of anything: no score until a positive norm arrives.
     decisions = run(GNMRConfig(**GNMR_ONLY), [[0.0], [0.0], [0.0], [3.0], [1.0]])
-    assert [d.eligible.item() for d in decisions] == [False, False, False, False, True]
+    assert [d.scored.item() for d in decisions] == [False, False, False, False, True]
     assert not any(d.risky.item() for d in decisions)
     assert decisions[4].gnmr.item() == pytest.approx(4 / 3)
 
@@ -208,7 +207,7 @@ def test_a_non_finite_or_negative_norm_is_maximally_risky_and_never_enters_the_h
     decisions = run(config, [[2.0, 1.0], [bad, 1.0], [2.0, 1.0], [2.0, 1.0]])
     # Even during warm-up a broken gradient is a failure: risk +inf, recovery from the next step.
     assert decisions[1].risk[0].item() == INF
-    assert decisions[1].risky[0].item() and not decisions[1].eligible[0].item()
+    assert decisions[1].risky[0].item() and not decisions[1].scored[0].item()
     assert flat(decisions[1].active).tolist() == [0]
     # Step 4's mean is over steps 1 and 3 only: (2 + 2) / 2, so GNMR = 1 (it would be 1.5 with a 0 counted).
     assert decisions[3].gnmr[0].item() == 1.0
@@ -217,7 +216,7 @@ def test_a_non_finite_or_negative_norm_is_maximally_risky_and_never_enters_the_h
 def test_a_missing_unit_is_not_scored_not_risky_and_not_in_the_history():
     config = GNMRConfig(**GNMR_ONLY)
     decisions = run(config, [[2.0], [2.0], [None], [2.0]])
-    assert not decisions[2].eligible.item() and not decisions[2].risky.item()
+    assert not decisions[2].scored.item() and not decisions[2].risky.item()
     assert decisions[2].risk.item() == 0.0
     assert decisions[3].gnmr.item() == 1.0  # mean over the two norms seen, not three
 
@@ -292,20 +291,20 @@ def test_to_host_carries_the_decision():
         assert host.step == t + 1 and (host.alpha, host.beta) == (decision.alpha, decision.beta)
         for name in ("active", "entered", "exited", "risky"):
             assert getattr(host, name).tolist() == flat(getattr(decision, name)).tolist()
-        assert host.n_eligible == decision.eligible.sum().item()
+        assert host.n_scored == decision.scored.sum().item()
         assert host.n_candidates == decision.candidates.sum().item()
-        scored = decision.eligible | decision.risk.isinf()
+        scored = decision.scored | decision.risk.isinf()
         ranked = sorted((-decision.risk[i].item(), i) for i in flat(scored).tolist())[:7]
         assert host.top_units.tolist() == [i for _, i in ranked]
-        assert host.top_scores.tolist() == [-r for r, _ in ranked]
+        assert host.top_risks.tolist() == [-r for r, _ in ranked]
         if scored.any():
-            assert host.max_score == decision.risk[scored].max().item()
+            assert host.max_risk == decision.risk[scored].max().item()
 
 
-def test_to_host_reports_no_max_score_and_no_top_units_before_any_score():
+def test_to_host_reports_no_max_risk_and_no_top_units_before_any_score():
     controller = GNMRController(GNMRConfig(), 5)
     host = controller.observe(torch.ones(5)).to_host(top_k=3)
-    assert math.isnan(host.max_score) and host.top_units.size == 0 and host.n_eligible == 0
+    assert math.isnan(host.max_risk) and host.top_units.size == 0 and host.n_scored == 0
     assert host.exceedance_rate == 0.0
 
 
@@ -342,14 +341,13 @@ def test_observe_makes_no_host_sync_and_to_host_makes_exactly_one_transfer(monke
 
         monkeypatch.setattr(torch.Tensor, name, counted)
 
-    # Large enough for the blocked top-k path, with spikes, NaNs and missing units so every branch runs.
+    # With spikes, NaNs and missing units so that every branch runs.
     n = 5000
     controller = GNMRController(GNMRConfig(max_active=4, window=3, min_history=2), n)
     stream = random_stream(12, n, seed=6)
     stream[5, ::97] = NAN
     missing = torch.zeros(n, dtype=torch.bool)
     missing[::13] = True
-    assert controller._topk.blocked
     with CountSyncs():
         decisions = [controller.observe(stream[t], missing if t % 3 else None) for t in range(12)]
     assert calls == {}
@@ -357,23 +355,6 @@ def test_observe_makes_no_host_sync_and_to_host_makes_exactly_one_transfer(monke
     with CountSyncs():
         decisions[-1].to_host(top_k=16)
     assert calls == {"cpu": 1, "numpy": 1}
-
-
-# ----------------------------------------------------------------------------------------------- top-k
-
-
-def test_blocked_and_direct_top_k_agree_with_a_stable_sort():
-    g = torch.Generator().manual_seed(7)
-    for n, k in [(3000, 1), (3000, 4), (5003, 16), (20000, 7)]:
-        key = torch.randint(-3, 4, (n,), generator=g).double()  # many ties
-        key[torch.rand(n, generator=g) < 0.01] = INF
-        expected = sorted(range(n), key=lambda i: (-key[i].item(), i))[:k]
-        for blocked in (True, False):
-            top = TopK(n, k, torch.device("cpu"), blocked=blocked)
-            assert top.blocked == blocked
-            top.key.copy_(key)
-            assert top.indices().tolist() == expected
-            assert flat(top.mask()).tolist() == sorted(expected)
 
 
 # --------------------------------------------------------------------------------------------------- resume
@@ -396,7 +377,7 @@ def test_resuming_from_a_saved_state_gives_the_decisions_of_an_uninterrupted_run
         assert dec.step == ref.step
         for name in ("gnmr", "dgnmr", "risk"):
             assert torch.equal(getattr(dec, name).nan_to_num(-7.0), getattr(ref, name).nan_to_num(-7.0)), name
-        for name in ("eligible", "risky", "candidates", "active", "entered", "exited", "locks"):
+        for name in ("scored", "risky", "candidates", "active", "entered", "exited", "locks"):
             assert torch.equal(getattr(dec, name), getattr(ref, name)), name
 
 

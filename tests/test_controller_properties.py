@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gnmr_hf import GNMRConfig, GNMRController
-from gnmr_hf._topk import TopK
 
 SETTINGS = settings(deadline=None, max_examples=60, derandomize=True)
 
@@ -149,21 +148,3 @@ def test_decisions_match_the_unit_by_unit_reference(config, stream):
         assert d.candidates.tolist() == expected["candidates"]
         assert d.active.nonzero().flatten().tolist() == expected["active"]
         assert d.locks.tolist() == expected["locks"]
-
-
-@settings(deadline=None, max_examples=40, derandomize=True)
-@given(
-    n=st.integers(1, 3000),
-    k=st.integers(1, 20),
-    levels=st.integers(1, 6),
-    seed=st.integers(0, 2**16),
-)
-def test_top_k_is_the_first_k_of_a_stable_descending_sort(n, k, levels, seed):
-    g = torch.Generator().manual_seed(seed)
-    key = torch.randint(0, levels, (n,), generator=g).double()  # few distinct values: many ties
-    key[torch.rand(n, generator=g) < 0.05] = math.inf
-    expected = sorted(range(n), key=lambda i: (-key[i].item(), i))[:k]
-    for blocked in (None, True, False):
-        top = TopK(n, k, torch.device("cpu"), blocked=blocked)
-        top.key.copy_(key)
-        assert top.indices().tolist() == expected

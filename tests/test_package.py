@@ -54,13 +54,6 @@ def test_callback_state_rebuilds_the_callback_like_the_trainer_does():
     assert rebuilt.config == callback.config
 
 
-def test_callback_refuses_fp16_loss_scaling():
-    from types import SimpleNamespace
-
-    with pytest.raises(ValueError, match="fp16"):
-        GNMRCallback().on_train_begin(SimpleNamespace(fp16=True), None, None, model=object())
-
-
 def test_gnmr_config_parses_beside_training_arguments_without_clashes():
     from transformers import HfArgumentParser, TrainingArguments
 

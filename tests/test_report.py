@@ -21,11 +21,11 @@ def decision(step, active, entered=(), exited=(), risky=(), top=((0, 0.5),)):
         entered=np.array(entered, dtype=np.int64),
         exited=np.array(exited, dtype=np.int64),
         risky=np.array(risky, dtype=np.int64),
-        n_eligible=3,
+        n_scored=3,
         n_candidates=len(active),
-        max_score=max(s for _, s in top),
+        max_risk=max(s for _, s in top),
         top_units=np.array([i for i, _ in top], dtype=np.int64),
-        top_scores=np.array([s for _, s in top]),
+        top_risks=np.array([s for _, s in top]),
         alpha=3.0,
         beta=3.0,
     )
@@ -95,7 +95,7 @@ def test_report_command_json_output(tmp_path, capsys):
     [
         (None, "no trace file"),
         ('{"type":"step","step":1}\n', "no header"),
-        ("not json\n", "is not JSON"),
+        ('not json\n{"type":"header","units":[]}\n', "is not JSON"),
         ('{"type":"header","units":[]}\n{"type":"nope"}\n', "unknown record type"),
     ],
 )
@@ -110,3 +110,55 @@ def test_report_command_rejects_bad_traces_with_a_clear_error(tmp_path, capsys, 
 def test_cli_without_a_command_prints_usage_and_fails(capsys):
     assert main([]) == 2
     assert "usage: gnmr-hf" in capsys.readouterr().out
+
+
+def test_a_last_line_cut_off_mid_write_is_dropped_with_a_warning(tmp_path, capsys, caplog):
+    path = write_trace(tmp_path / "t.jsonl", STREAM)
+    whole = path.read_text()
+    path.write_text(whole + '{"type":"step","step":6,"active":[0,')  # a kill in the middle of a write
+    with caplog.at_level("WARNING", logger="gnmr_hf"):
+        assert main(["report", str(path), "--no-plots", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 5
+    assert "dropped its last line" in caplog.text
+    # A resumed writer drops it too, and continues after the last complete step.
+    writer = TraceWriter(path, {"units": UNITS, "config": {}}, resume_step=5)
+    writer.write(decision(6, []))
+    writer.close()
+    assert [r["step"] for r in read_trace(path)[1]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_trace_of_version_1_is_read_with_todays_field_names(tmp_path):
+    path = tmp_path / "v1.jsonl"
+    lines = [
+        {"type": "header", "version": 1, "units": UNITS, "config": {"max_active": 2}},
+        {
+            "type": "step",
+            "step": 1,
+            "active": [1],
+            "entered": [1],
+            "exited": [],
+            "risky": [1],
+            "n_eligible": 3,
+            "n_candidates": 1,
+            "max_score": 2.5,
+            "top": [[1, 2.5]],
+            "alpha": 3.0,
+            "beta": 3.0,
+        },
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    _, steps = read_trace(path)
+    assert steps[0]["n_scored"] == 3 and steps[0]["max_risk"] == 2.5 and "max_score" not in steps[0]
+
+
+def test_skipped_steps_are_counted_apart_from_observed_ones(tmp_path):
+    path = tmp_path / "t.jsonl"
+    writer = TraceWriter(path, {"units": UNITS, "config": {"max_active": 2}})
+    writer.write(decision(1, []), step=1)
+    writer.write_skip(2, "fp16 loss scaler skipped the step")
+    writer.write(decision(2, [0], entered=[0], risky=[0]), step=3)
+    writer.close()
+    summary, _, steps = TraceSummary.from_trace(path)
+    assert (summary.steps, summary.skipped_steps) == (2, 1)
+    assert [(r["step"], r["t"]) for r in steps] == [(1, 1), (3, 2)]
+    assert "skipped by the fp16 loss scaler" in summary.format()

@@ -1,6 +1,6 @@
 """The bnb_int8 backend on a real 8-bit LLaMA (bitsandbytes on CPU) with real peft LoRA. No mocks.
 
-Tolerances (also in the module docstring of gnmr_hf/backends/bnb_int8.py):
+Tolerances (also in the module docstring of gnmr_hf/backends/bnb.py):
 - source="checkpoint": a unit in recovery equals a BF16 `nn.Linear` holding the checkpoint weight, exactly.
 - source="dequantize": each weight is within half an INT8 step (absmax_row / 254) plus one BF16 rounding of the
   original; an output element within that times sum_k |x_k|.
@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from gnmr_hf import OutputGradMeter, find_units
-from gnmr_hf.backends.bnb_int8 import BnbInt8Unit, RecoveryLedger
+from gnmr_hf import OutputGradMeter, RecoveryLedger, find_units
+from gnmr_hf.backends.bnb import BnbInt8Unit
 from gnmr_hf.tiny import build_tiny_llama, load_int8_lora
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -87,9 +87,9 @@ def test_discovery_finds_each_int8_linear_of_a_peft_lora_llama_in_module_order(t
     for unit in units:
         assert isinstance(unit, BnbInt8Unit)
         assert isinstance(unit.module, bnb.nn.Linear8bitLt)
-        assert unit.parent.base_layer is unit.module
+        assert unit.tuner.base_layer is unit.module
         assert unit.signal == "lora"
-        expected = [unit.parent.lora_A["default"].weight, unit.parent.lora_B["default"].weight]
+        expected = [unit.tuner.lora_A["default"].weight, unit.tuner.lora_B["default"].weight]
         assert [id(t) for t in unit.signal_tensors()] == [id(t) for t in expected]
     close_all(units)
 
@@ -118,8 +118,11 @@ def test_model_without_int8_linear_raises_listing_module_types(tiny_llama_dir: P
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"source": "bf16"}, r"source must be one of \['auto', 'checkpoint', 'dequantize'\], got 'bf16'"),
-        ({"signal": "grad"}, r"signal must be one of \['auto', 'lora', 'weight', 'output_grad'\], got 'grad'"),
+        ({"source": "bf16"}, r"option 'source' must be one of \['auto', 'checkpoint', 'dequantize'\], got 'bf16'"),
+        (
+            {"signal": "grad"},
+            r"option 'signal' must be one of \['auto', 'lora', 'weight', 'output_grad'\], got 'grad'",
+        ),
         ({"sorce": "auto"}, r"unknown options \['sorce'\]; known options are \['signal', 'source'\]"),
     ],
 )
@@ -173,7 +176,7 @@ def test_importing_the_backend_imports_neither_bitsandbytes_nor_peft() -> None:
     import sys
 
     code = (
-        "import sys, gnmr_hf, gnmr_hf.backends.bnb_int8 as b; assert b.is_bnb_available(); "
+        "import sys, gnmr_hf, gnmr_hf.backends.bnb as b; assert b.is_bnb_available(); "
         "print(sorted(m for m in ('bitsandbytes', 'peft', 'transformers') if m in sys.modules))"
     )
     repo = Path(__file__).resolve().parents[1]
@@ -471,7 +474,7 @@ def test_a_checkpoint_the_model_was_not_quantized_from_is_not_used(tiny_llama_di
     units = find_units(model, "bnb_int8")
     assert {unit.source for unit in units} == {"dequantize"}
     close_all(units)
-    with pytest.raises(ValueError, match=r"does not quantize to the module's INT8 row 0"):
+    with pytest.raises(ValueError, match=r"does not quantize to the module's row 0"):
         find_units(model, "bnb_int8", source="checkpoint")
 
 
@@ -541,7 +544,7 @@ def test_lora_signal_includes_trainable_dora_magnitudes(tiny_llama_dir: Path) ->
     )
     model = get_peft_model(base, LoraConfig(r=4, use_dora=True, target_modules=["q_proj"]))
     units = find_units(model, "bnb_int8", include=r"q_proj")
-    parent = units[0].parent
+    parent = units[0].tuner
     expected = [
         parent.lora_A["default"].weight,
         parent.lora_B["default"].weight,
