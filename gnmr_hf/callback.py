@@ -109,6 +109,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self.summary_state: dict[str, Any] | None = None
         self.unit_names: list[str] | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._scale_at_capture: torch.Tensor | None = None
         self._queued = False
         self._hooks: list[Any] = []
         self._trace: TraceWriter | None = None
@@ -222,21 +223,25 @@ class GNMRCallback(TrainerCallback, ExportableState):
         pending, self._pending = self._pending, None
         self._queued = False
         self._check_adapters()
-        if self._scaler is not None and getattr(optimizer, "step_was_skipped", False):
-            # The scaler found inf/NaN gradients and skipped the update: this step changed nothing, so the
-            # controller does not see it (a loss-scale overflow is not a unit's failure).
-            self.summary.skipped_steps += 1
-            self._window["skipped"] = self._window.get("skipped", 0.0) + 1
-            if self._trace is not None:
-                self._trace.write_skip(step, "fp16 loss scaler skipped the step (inf/NaN gradients)")
-            return
         if pending is None:
             # No backward reached the model's outputs this step: every unit is missing.
             n, device = self.controller.num_units, self.controller.device
             pending = (torch.full((n,), torch.nan, device=device), torch.ones(n, dtype=torch.bool, device=device))
         cfg = self.config
         check_history = self._warmup_check_step == 0 and self.controller.step + 1 >= cfg.min_history + cfg.window
-        decision = self.controller.observe(*pending).to_host(top_k=cfg.trace_top_k, history=check_history)
+        skipped = self._skipped(optimizer)
+        decision = self.controller.observe(*pending).to_host(
+            top_k=cfg.trace_top_k, history=check_history, flag=skipped
+        )
+        if decision.flag:
+            # The fp16 loss scaler found inf/NaN gradients and skipped the update: the step changed nothing, so
+            # the controller must not have seen it (a loss-scale overflow is not a unit's failure).
+            self.controller.revert()
+            self.summary.skipped_steps += 1
+            self._window["skipped"] = self._window.get("skipped", 0.0) + 1
+            if self._trace is not None:
+                self._trace.write_skip(step, "fp16 loss scaler skipped the step (inf/NaN gradients)")
+            return
         if not cfg.monitor_only:
             # Exits before entries: the number of live recovery weights never exceeds max_active.
             for i in decision.exited:
@@ -365,9 +370,27 @@ class GNMRCallback(TrainerCallback, ExportableState):
         norms, missing = self.signals.compute()
         if self._scaler is not None:
             # Gradients are still multiplied by the loss scale here (the Trainer unscales them when it clips).
-            norms = norms / _loss_scale(self._scaler).to(norms.device)
+            scale = _loss_scale(self._scaler)
+            norms = norms / scale.to(norms.device)
+            self._scale_at_capture = scale.clone()
         self._pending = (norms, missing)
         self._queued = False
+
+    def _skipped(self, optimizer: Any) -> torch.Tensor | None:
+        """A bool scalar on the device: did the fp16 loss scaler skip this step? None without a scaler.
+
+        `GradScaler.update()` lowers the scale exactly when it found inf/NaN gradients and skipped the step, so the
+        comparison with the scale the backward pass used is exact and needs no sync; it travels with the
+        decision's one transfer. (accelerate's `optimizer.step_was_skipped` misses the skips of fused optimizers,
+        the Trainer's default, which skip inside their own kernel.)
+        """
+        if self._scaler is None or self._scale_at_capture is None:
+            return None
+        skipped = _loss_scale(self._scaler) < self._scale_at_capture
+        if getattr(optimizer, "step_was_skipped", False):
+            skipped = torch.ones_like(skipped)
+        self._scale_at_capture = None
+        return skipped.reshape(())
 
     def _check_adapters(self) -> None:
         if self._adapters is None or self._model is None:

@@ -48,6 +48,7 @@ class HostDecision:
     alpha: float
     beta: float
     no_history: np.ndarray | None = None  # units that cannot be scored yet; fetched with to_host(history=True)
+    flag: bool | None = None  # the caller's flag, fetched with to_host(flag=...)
 
     @property
     def exceedance_rate(self) -> float:
@@ -82,13 +83,15 @@ class Decision:
     locks: torch.Tensor
     has_history: torch.Tensor
 
-    def to_host(self, top_k: int = 0, history: bool = False) -> HostDecision:
+    def to_host(self, top_k: int = 0, history: bool = False, flag: torch.Tensor | None = None) -> HostDecision:
         """Copy what the caller acts on to the host in ONE transfer (one sync per optimizer step).
 
         Args:
             top_k: also fetch the `top_k` riskiest scored units (largest risk first, ties to the lower index).
             history: also fetch which units cannot be scored yet (`HostDecision.no_history`), e.g. to warn once
                 after warm-up about units that never get a gradient.
+            flag: a bool scalar tensor of the caller's to bring along in the same transfer (`HostDecision.flag`),
+                e.g. whether the fp16 loss scaler skipped this step.
         """
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"Decision.to_host: top_k must be an int >= 0, got {top_k!r}")
@@ -104,6 +107,7 @@ class Decision:
                 torch.stack([self.scored.sum(), self.candidates.sum()]).to(torch.float64),
                 key[top_idx],
                 top_idx.to(torch.float64),  # exact: indices are far below 2^53
+                (flag if flag is not None else torch.zeros((), device=key.device)).to(torch.float64).reshape(1),
             ]
         )
         rows = [self.active, self.entered, self.exited, self.risky] + ([~self.has_history] if history else [])
@@ -126,11 +130,12 @@ class Decision:
             n_scored=int(head_h[1]),
             n_candidates=int(head_h[2]),
             max_risk=float(head_h[0]) if head_h[0] >= 0 else math.nan,
-            top_units=head_h[3 + k :][keep].astype(np.int64),
+            top_units=head_h[3 + k : 3 + 2 * k][keep].astype(np.int64),
             top_risks=top_risks[keep],
             alpha=self.alpha,
             beta=self.beta,
             no_history=no_history[0] if history else None,
+            flag=bool(head_h[3 + 2 * k]) if flag is not None else None,
         )
 
 
@@ -163,6 +168,7 @@ class GNMRController:
         self.gnmr_window = torch.full((config.window, num_units), torch.nan, **f64)
         self.locks = torch.zeros(num_units, dtype=torch.int32, device=self.device)
         self.active = self.locks > 0
+        self._before_last: tuple[Any, ...] | None = None  # what `revert()` restores
 
     def _check_norms(self, norms: Any, missing: Any) -> None:
         if not isinstance(norms, torch.Tensor):
@@ -217,10 +223,13 @@ class GNMRController:
         risky = (risk > 1.0) | broken
         risk = torch.where(broken, torch.inf, risk.nan_to_num(nan=0.0))
 
-        # History: valid norms only, added after scoring since the mean is over the *past* norms.
-        self.norm_sum += torch.where(valid, n, 0.0)
-        self.norm_count += valid
-        self.gnmr_window[(t - 1) % cfg.window] = gnmr
+        # History: valid norms only, added after scoring since the mean is over the *past* norms. New tensors
+        # (and the one overwritten window row kept), so that `revert()` can put the previous state back.
+        pos = (t - 1) % cfg.window
+        self._before_last = (self.step, self.norm_sum, self.norm_count, self.gnmr_window[pos].clone(), self.locks)
+        self.norm_sum = self.norm_sum + torch.where(valid, n, 0.0)
+        self.norm_count = self.norm_count + valid
+        self.gnmr_window[pos] = gnmr
 
         # Locks count down; candidates are risky or still locked; the `max_active` riskiest candidates win, ties
         # to the lower index (a stable sort); non-candidates rank below every candidate (risks are >= 0).
@@ -250,6 +259,21 @@ class GNMRController:
             locks=locks,
             has_history=(self.norm_count >= cfg.min_history) & (self.norm_sum > 0),
         )
+
+    def revert(self) -> None:
+        """Undo the last `observe()`: the state is exactly as before it, as if that step had never been seen.
+
+        For an optimizer step that turns out not to have happened, which the host learns only with the decision's
+        transfer: the fp16 loss scaler skips a step with inf/NaN gradients inside `optimizer.step()`. Only the
+        last step can be reverted, once.
+        """
+        if self._before_last is None:
+            raise RuntimeError("GNMRController.revert: there is no observed step to revert (only the last one can be)")
+        step, norm_sum, norm_count, row, locks = self._before_last
+        self.gnmr_window[step % self.config.window] = row
+        self.step, self.norm_sum, self.norm_count, self.locks = step, norm_sum, norm_count, locks
+        self.active = locks > 0
+        self._before_last = None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -341,16 +365,19 @@ class GNMRController:
             setattr(self, name, value)
         self.step = step
         self.active = self.locks > 0
+        self._before_last = None
 
 
 def _window_from_suffix_sums(ring: torch.Tensor, step: int) -> torch.Tensor:
-    """The raw GNMR window from a version-2 ring, whose slots after the last written one held the suffix sums
-    of the previous block of `window` steps. Differences of suffix sums recover those values (to an ulp or two:
-    the sums were of non-negative values); a NaN stays NaN, which changes no future window sum, because every
-    later window that holds a slot also holds the slots after it, where the NaN came from."""
+    """The raw GNMR window from a version-2 ring (gnmr-hf 0.1.0), which kept the steps in blocks of `window`:
+    slots up to the last written one held raw values of the current block, and the later slots (all of 1..window-2
+    right after a block ended) the suffix sums of the previous block. Differences of suffix sums recover those
+    values to an ulp or two (the sums were of non-negative values). A NaN stays NaN, which changes no future window
+    sum: every later window that holds a slot also holds the slots after it, where the NaN came from."""
     window = ring.shape[0]
-    last = (step - 1) % window if step > 0 else window - 1
+    last = (step - 1) % window
+    first_suffix = 1 if last == window - 1 else last + 1
     raw = ring.clone()
-    for j in range(last + 1, window - 1):
+    for j in range(first_suffix, window - 1):
         raw[j] = ring[j] - ring[j + 1]
     return raw

@@ -375,10 +375,10 @@ def get_backend(name: str) -> Backend:
 def display_name(fqn: str) -> str:
     """The name users know a module by, whatever wraps it: without peft's `base_model.model.` prefix and
     `.base_layer`, and without the components DDP (`module.`), torch.compile (`_orig_mod.`) and FSDP insert."""
-    parts = fqn.split(".")
+    parts = [p for p in fqn.split(".") if p not in _WRAPPER_COMPONENTS and p != "base_layer"]
     if parts[:2] == ["base_model", "model"]:
         parts = parts[2:]
-    return ".".join(p for p in parts if p not in _WRAPPER_COMPONENTS and p != "base_layer")
+    return ".".join(parts)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -17,3 +17,12 @@ def tiny_llama_dir(tmp_path_factory):
     from gnmr_hf.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """Byte-tokenized local text for the Trainer tests."""
+    from gnmr_hf.demo import byte_dataset
+    from gnmr_hf.tiny import write_local_text
+
+    return byte_dataset(write_local_text(tmp_path_factory.mktemp("data") / "train.txt", lines=128))

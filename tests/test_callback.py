@@ -4,101 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 
 from gnmr_hf import GNMRCallback, GNMRConfig, GNMRTrainer
-from gnmr_hf.demo import GradientSpikeCallback, byte_dataset
-from gnmr_hf.tiny import load_int8_lora, write_local_text
+from gnmr_hf.demo import GradientSpikeCallback
 from gnmr_hf.trace import read_trace
 
-SPIKED = "model.layers.1.mlp.down_proj"
-SPIKE_STEP = 8
-CFG = dict(max_active=2, lock_steps=3, window=3, min_history=3, alpha=4.0, beta=4.0)
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return byte_dataset(write_local_text(tmp_path_factory.mktemp("data") / "train.txt", lines=128))
-
-
-class Recorder(TrainerCallback):
-    """Records the event sequence and, at each step begin, which units are in recovery."""
-
-    def __init__(self, gnmr: GNMRCallback | None = None) -> None:
-        self.gnmr = gnmr
-        self.events: list[tuple[str, int]] = []
-        self.in_recovery_at_step: dict[int, list[str]] = {}
-        self.logs: list[dict] = []
-
-    def _ev(self, name, state):
-        self.events.append((name, state.global_step))
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._ev("step_begin", state)
-        if self.gnmr is not None and self.gnmr.units:
-            step = state.global_step + 1  # the optimizer step about to run
-            self.in_recovery_at_step[step] = [u.name for u in self.gnmr.units if u.in_recovery]
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._ev("pre_optimizer_step", state)
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self._ev("optimizer_step", state)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._ev("step_end", state)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.logs.append(dict(logs or {}))
-
-
-def make_trainer(
-    model_dir,
-    dataset,
-    out,
-    *,
-    gnmr: GNMRConfig | None = None,
-    max_steps: int = 14,
-    spike_step: int = SPIKE_STEP,
-    trainer_cls=Trainer,
-    callbacks=(),
-    **args,
-):
-    model = load_int8_lora(model_dir)
-    training_args = TrainingArguments(
-        output_dir=str(out),
-        use_cpu=True,
-        max_steps=max_steps,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=args.pop("logging_steps", 2),
-        save_strategy=args.pop("save_strategy", "no"),
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-        **args,
-    )
-    cbs = list(callbacks)
-    if spike_step:
-        cbs.append(GradientSpikeCallback(SPIKED, spike_step, 100.0))
-    kwargs = {}
-    if trainer_cls is GNMRTrainer:
-        kwargs["gnmr_config"] = gnmr or GNMRConfig(**CFG)
-    elif gnmr is not False:
-        cbs.insert(0, GNMRCallback(gnmr or GNMRConfig(**CFG)))
-    return trainer_cls(model=model, args=training_args, train_dataset=dataset, callbacks=cbs, **kwargs)
-
-
-def gnmr_of(trainer) -> GNMRCallback:
-    return next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, GNMRCallback))
-
-
-def steps_of(out) -> list[dict]:
-    return read_trace(Path(out) / "gnmr_trace.jsonl")[1]
+from trainer_utils import CFG, SPIKE_STEP, SPIKED, Recorder, gnmr_of, make_trainer, steps_of
 
 
 def test_injected_spike_is_selected_next_step_held_for_lock_steps_then_released(tiny_llama_dir, dataset, tmp_path):
@@ -165,8 +80,20 @@ class PreClipRecorder(Trainer):
         return total
 
 
+CHECKPOINTING = {
+    "off": {},
+    "reentrant": {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+    "non_reentrant": {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}},
+}
+
+
 @pytest.mark.parametrize("accumulation", [1, 3])
-def test_signal_is_the_pre_clip_norm_after_accumulation(tiny_llama_dir, dataset, tmp_path, accumulation):
+@pytest.mark.parametrize("checkpointing", list(CHECKPOINTING))
+def test_signal_is_the_pre_clip_norm_after_accumulation(
+    tiny_llama_dir, dataset, tmp_path, accumulation, checkpointing
+):
+    # Reentrant checkpointing runs a nested backward per decoder layer; the norms must still be read once, after
+    # the outermost backward of the last micro-batch, with every unit's complete gradient.
     trainer = make_trainer(
         tiny_llama_dir,
         dataset,
@@ -175,6 +102,7 @@ def test_signal_is_the_pre_clip_norm_after_accumulation(tiny_llama_dir, dataset,
         trainer_cls=PreClipRecorder,
         gradient_accumulation_steps=accumulation,
         max_grad_norm=1.0,
+        **CHECKPOINTING[checkpointing],
     )
     trainer.pre_clip, trainer.totals = [], []
     observed = []
@@ -190,8 +118,26 @@ def test_signal_is_the_pre_clip_norm_after_accumulation(tiny_llama_dir, dataset,
     assert len(observed) == len(trainer.pre_clip) == 10
     # Clipping really rescaled the gradients (the spike alone is far above max_grad_norm) ...
     assert max(trainer.totals) > 1.0
-    # ... and the signal is the norm before it.
+    # ... and the signal is the norm before it, for every unit (a missing unit would be NaN here).
     torch.testing.assert_close(torch.tensor(observed), torch.tensor(trainer.pre_clip), rtol=1e-5, atol=0)
+
+
+def test_a_spike_in_the_first_layer_is_caught_under_reentrant_checkpointing(tiny_llama_dir, dataset, tmp_path):
+    first = "model.layers.0.self_attn.q_proj"
+    trainer = make_trainer(
+        tiny_llama_dir,
+        dataset,
+        tmp_path,
+        spike_step=0,
+        callbacks=[GradientSpikeCallback(first, SPIKE_STEP, 100.0)],
+        **CHECKPOINTING["reentrant"],
+    )
+    trainer.train()
+    assert trainer.model.is_gradient_checkpointing
+    steps = {r["step"]: r for r in steps_of(tmp_path)}
+    idx = [u.name for u in gnmr_of(trainer).units].index(first)
+    assert all(r["n_scored"] == len(gnmr_of(trainer).units) for s, r in steps.items() if s > CFG["min_history"])
+    assert idx in steps[SPIKE_STEP]["entered"]
 
 
 def test_one_device_to_host_sync_per_optimizer_step(tiny_llama_dir, dataset, tmp_path, monkeypatch):

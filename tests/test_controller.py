@@ -183,6 +183,49 @@ def test_a_unit_whose_past_norms_are_all_zero_gets_no_score():
     assert decisions[4].gnmr.item() == pytest.approx(4 / 3)
 
 
+def test_a_window_of_zero_gnmr_values_gives_no_dgnmr():
+    # A unit whose norm was exactly 0 for `window` scored steps has a zero window mean: DGNMR would be n/0, no
+    # measure of anything, so it has none (as GNMR has none over a zero mean) and GNMR alone decides.
+    config = GNMRConfig(max_active=1, lock_steps=1, window=2, min_history=1, alpha=4.0, beta=1.5)
+    decisions = run(config, [[1.0], [1.0], [0.0], [0.0], [2.0]])
+    assert decisions[4].gnmr.item() == pytest.approx(2 / 0.5)
+    assert math.isnan(decisions[4].dgnmr.item())
+    assert not decisions[4].risky.item()  # GNMR 4.0 is not above alpha 4.0
+
+
+def _version_2_window(gnmr_per_step: list[torch.Tensor], window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (gnmr_ring, window_prefix) gnmr-hf 0.1.0 kept after these steps: its `_advance_window`, verbatim."""
+    ring = torch.full((window, gnmr_per_step[0].numel()), math.nan, dtype=torch.float64)
+    prefix = torch.full((gnmr_per_step[0].numel(),), math.nan, dtype=torch.float64)
+    for t, gnmr in enumerate(gnmr_per_step, 1):
+        pos = (t - 1) % window
+        ring[pos] = gnmr
+        prefix = gnmr.clone() if pos == 0 else prefix + gnmr
+        if pos == window - 1:
+            for j in range(window - 2, 0, -1):
+                ring[j] += ring[j + 1]
+    return ring, prefix
+
+
+def test_a_version_2_state_is_converted_and_continues_the_stream_exactly():
+    config = GNMRConfig(max_active=2, lock_steps=3, window=4, min_history=2, alpha=2.0, beta=2.0)
+    stream = random_stream(30, 5, seed=10)
+    stream[6, 1] = NAN
+    reference = run(config, stream.tolist())
+    for cut in (5, 8, 10, 12):  # inside a block of 4 steps and at its end
+        first = GNMRController(config, 5)
+        run(config, stream[:cut].tolist(), first)
+        state = first.json_state()
+        del state["gnmr_window"]
+        ring, prefix = _version_2_window([d.gnmr for d in reference[:cut]], config.window)
+        state.update(version=2, gnmr_ring=ring.tolist(), window_prefix=prefix.tolist())
+        resumed = GNMRController(config, 5)
+        resumed.load_state_dict(json.loads(json.dumps(state).replace("NaN", "null")))
+        for ref, dec in zip(reference[cut:], run(config, stream[cut:].tolist(), resumed), strict=True):
+            assert torch.equal(dec.active, ref.active) and torch.equal(dec.locks, ref.locks)
+            torch.testing.assert_close(dec.dgnmr, ref.dgnmr, rtol=1e-12, atol=0, equal_nan=True)
+
+
 def test_scores_and_history_are_float64_whatever_the_norms_dtype():
     controller = GNMRController(GNMRConfig(min_history=1), 2)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -379,6 +422,32 @@ def test_resuming_from_a_saved_state_gives_the_decisions_of_an_uninterrupted_run
             assert torch.equal(getattr(dec, name).nan_to_num(-7.0), getattr(ref, name).nan_to_num(-7.0)), name
         for name in ("scored", "risky", "candidates", "active", "entered", "exited", "locks"):
             assert torch.equal(getattr(dec, name), getattr(ref, name)), name
+
+
+def test_revert_undoes_the_last_step_exactly():
+    config = GNMRConfig(max_active=2, lock_steps=3, window=3, min_history=2, alpha=2.0, beta=2.0)
+    stream = random_stream(20, 5, seed=9)
+    reference = run(config, stream.tolist())
+    controller = GNMRController(config, 5)
+    decisions = []
+    for t in range(20):
+        if t in (4, 11):  # a step that did not happen: observed, then reverted
+            controller.observe(stream[t] * 50.0)
+            controller.revert()
+            with pytest.raises(RuntimeError, match="no observed step to revert"):
+                controller.revert()
+        decisions.append(controller.observe(stream[t]))
+    for ref, dec in zip(reference, decisions, strict=True):
+        assert dec.step == ref.step
+        assert torch.equal(dec.risk, ref.risk) and torch.equal(dec.locks, ref.locks)
+        assert torch.equal(dec.dgnmr.nan_to_num(-1.0), ref.dgnmr.nan_to_num(-1.0))
+
+
+def test_to_host_brings_a_caller_flag_in_the_same_transfer():
+    decision = GNMRController(GNMRConfig(), 3).observe(torch.ones(3))
+    assert decision.to_host(top_k=2, flag=torch.tensor(True)).flag is True
+    assert decision.to_host(flag=torch.tensor(False)).flag is False
+    assert decision.to_host().flag is None
 
 
 def test_json_state_is_strict_json():
