@@ -1,0 +1,552 @@
+"""Evaluate a model, or a fine-tune's adapter, with lm-evaluation-harness: MMLU, HellaSwag, held-out perplexity.
+
+Every number comes from lm-eval itself: `lm_eval.simple_evaluate` over `lm_eval.models.huggingface.HFLM`, on task
+definitions in lm-eval's YAML format. This module only decides what to hand it, and writes down what ran:
+
+- **the model**: a model in memory (transformers or peft, with its tokenizer), a model folder or Hub name, or a
+  fine-tune's `output_dir`: a peft adapter folder (its `adapter_config.json` names the base model) or a folder with
+  a `gnmr_run.json` (`{"base_model": ..., "adapter": ...}`); optionally in 8-bit (bitsandbytes). We load it
+  ourselves and give HFLM the loaded model, because HFLM's own loader cannot take a `BitsAndBytesConfig`.
+- **the tasks**: MMLU 5-shot (`acc`) and HellaSwag 0-shot (`acc`, `acc_norm`) by default. When the Hub cannot be
+  reached (see `offline_reason`), or when asked (`offline_tasks=True`), `mmlu` and `hellaswag` are replaced by
+  small look-alikes shipped in `gnmr_hf/data/eval/`: the same prompt, choices, few-shot split and metrics as
+  lm-eval's own configs, on items written for this project. Their numbers test the pipeline, they are not MMLU
+  or HellaSwag numbers, so the log and `results.json` say which tasks really ran.
+- **perplexity**: the `gnmr_perplexity` task scores held-out text with lm-eval's `loglikelihood_rolling`, as its
+  `wikitext` task does (word_perplexity, byte_perplexity, bits_per_byte). We do not use
+  `evaluate.load("perplexity")`: that metric is a script on the Hub, so offline it fails with
+  `FileNotFoundError: Couldn't find a module script at .../perplexity/perplexity.py. Module 'perplexity' doesn't
+  exist on the Hugging Face Hub either.`, and it takes a `model_id` to load by itself, so it could score neither
+  an adapter nor an 8-bit model. docs/evaluation.md has the details.
+
+lm-eval reads a task's `data_files` relative to the working directory, so the shipped task files are templates:
+`write_local_tasks` fills in absolute paths and writes them to a folder that goes first in `include_path` (the
+user's folders come after it, so they can override a task by name, as with lm-eval's `--include_path`).
+
+`import gnmr_hf` never imports this module; lm-eval, peft and transformers are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import string
+import tempfile
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from lm_eval.tasks import TaskManager
+
+__all__ = [
+    "DEFAULT_NUM_FEWSHOT",
+    "DEFAULT_TASKS",
+    "LOCAL_TASKS",
+    "PERPLEXITY_TASK",
+    "RUN_FILE",
+    "ModelSource",
+    "compare_results",
+    "evaluate_model",
+    "load_model",
+    "offline_reason",
+    "resolve_model_source",
+    "write_local_tasks",
+    "write_results",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TASKS = ("mmlu", "hellaswag")
+# The real task each local look-alike stands in for when the Hub is out of reach.
+LOCAL_TASKS = {"mmlu": "gnmr_mmlu_local", "hellaswag": "gnmr_hellaswag_local"}
+# The shots these benchmarks are reported with (MMLU 5-shot, HellaSwag 0-shot); `num_fewshot` overrides them.
+DEFAULT_NUM_FEWSHOT = {"mmlu": 5, "gnmr_mmlu_local": 5, "hellaswag": 0, "gnmr_hellaswag_local": 0}
+PERPLEXITY_TASK = "gnmr_perplexity"
+# What a fine-tune recipe writes into its output_dir to say which base model its adapter belongs to.
+RUN_FILE = "gnmr_run.json"
+
+DATA_DIR = Path(__file__).parent / "data" / "eval"
+DEFAULT_HELDOUT_FILE = DATA_DIR / "heldout.txt"
+# The top-level keys of lm-eval's result dict that are keyed by task name: merged across our lm-eval calls and
+# kept in results.json unchanged. The rest (configs, environment, timings) describes one call, not the results.
+_RESULT_KEYS = ("results", "groups", "group_subtasks", "versions", "n-shot", "higher_is_better", "n-samples")
+# Values the HF libraries read as "on" in HF_HUB_OFFLINE and friends (huggingface_hub's own rule).
+_TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def offline_reason(timeout: float = 3.0) -> str | None:
+    """Why the real tasks' datasets cannot come from the Hub now, or None when they can.
+
+    Cheap on purpose, since it runs before every evaluation: first the variables the HF libraries obey
+    (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE, HF_DATASETS_OFFLINE), then one TCP connection to the Hub endpoint
+    (`HF_ENDPOINT`, default https://huggingface.co) that gives up after `timeout` seconds. No request is sent, so
+    a machine that reaches the Hub only through an HTTP proxy looks offline: pass `offline_tasks=False` there.
+    """
+    for name in _OFFLINE_VARIABLES:
+        if os.environ.get(name, "").strip().upper() in _TRUE_VALUES:
+            return f"{name}={os.environ[name]}"
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as err:
+        return f"the Hub ({host}:{port}) is unreachable: {err}"
+    return None
+
+
+def write_local_tasks(folder: str | Path, perplexity_file: str | Path | None = None) -> Path:
+    """Write the local task YAMLs, with absolute data paths, into `folder`; return it for `include_path`.
+
+    Tasks: `gnmr_mmlu_local` (a group of three subjects), `gnmr_hellaswag_local` and `gnmr_perplexity` over
+    `perplexity_file` (plain text, one document per paragraph) or the shipped `heldout.txt`.
+    """
+    heldout = Path(perplexity_file) if perplexity_file is not None else DEFAULT_HELDOUT_FILE
+    if not heldout.is_file():
+        raise FileNotFoundError(f"perplexity_file={str(perplexity_file)!r} is not a file")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    # Paths go inside double-quoted YAML strings; JSON string escaping is valid there.
+    values = {
+        "data_dir": json.dumps(str(DATA_DIR.resolve()))[1:-1],
+        "heldout_file": json.dumps(str(heldout.resolve()))[1:-1],
+    }
+    for template in sorted((DATA_DIR / "tasks").iterdir()):
+        (folder / template.name).write_text(string.Template(template.read_text()).substitute(values))
+    return folder
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where each part of the model comes from: the base weights, an optional peft adapter, the tokenizer."""
+
+    base: str
+    adapter: str | None
+    tokenizer: str
+
+
+def resolve_model_source(
+    model: str | os.PathLike[str] | None, adapter: str | os.PathLike[str] | None = None
+) -> ModelSource:
+    """Work out base model, adapter and tokenizer from `model` (a path or Hub name) and an optional `adapter`.
+
+    `model` may be a model folder or Hub name, a peft adapter folder (its adapter_config.json names the base
+    in `base_model_name_or_path`), or a fine-tune output_dir holding a `gnmr_run.json` with `base_model` and
+    optionally `adapter` (relative to that folder; default: the folder itself). The tokenizer comes from the
+    adapter folder when it holds one (a fine-tune may have added tokens), otherwise from the base.
+    """
+    if model is None or str(model) == "":
+        if adapter is not None:
+            raise ValueError(
+                f"adapter={str(adapter)!r} needs a base model: pass model=BASE as well, or pass the adapter folder "
+                "as model (its adapter_config.json names the base model)"
+            )
+        raise ValueError("model is required: a model folder, a Hub name or a fine-tune output_dir")
+    name = str(model)
+    path = Path(name).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"model={name!r} is a file; expected a model folder, a Hub name or a fine-tune output_dir")
+    if not path.is_dir():
+        if _looks_like_path(name):
+            raise FileNotFoundError(f"model={name!r}: no such folder")
+        return _with_adapter(name, _checked_adapter(adapter))
+
+    run_file = path / RUN_FILE
+    if run_file.is_file():
+        spec = json.loads(run_file.read_text())
+        if not spec.get("base_model"):
+            raise ValueError(f"{run_file} has no 'base_model'; it must name the model the adapter was trained on")
+        run_adapter = spec.get("adapter")
+        if run_adapter is not None and adapter is not None:
+            raise ValueError(f"adapter={str(adapter)!r} given, but {run_file} already names adapter={run_adapter!r}")
+        chosen = adapter if adapter is not None else (path / run_adapter if run_adapter is not None else path)
+        return _with_adapter(str(spec["base_model"]), _checked_adapter(chosen))
+
+    adapter_config = path / "adapter_config.json"
+    if adapter_config.is_file():
+        if adapter is not None:
+            raise ValueError(
+                f"model={name!r} is itself a peft adapter folder; pass its base model as model to use "
+                f"adapter={str(adapter)!r}"
+            )
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(
+                f"{adapter_config} names no base_model_name_or_path: pass model=BASE and adapter={name!r}"
+            )
+        return _with_adapter(str(base), str(path))
+
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model={name!r} holds none of config.json (a model), adapter_config.json (a peft adapter) or {RUN_FILE}"
+        )
+    return _with_adapter(name, _checked_adapter(adapter))
+
+
+def _looks_like_path(name: str) -> bool:
+    """True when `name` cannot be a Hub repo id, so a missing folder of that name is the user's error to hear."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.startswith((".", "/", "~")):
+        return True
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return False
+
+
+def _checked_adapter(adapter: str | os.PathLike[str] | None) -> str | None:
+    if adapter is None:
+        return None
+    if not (Path(adapter) / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"adapter={str(adapter)!r}: no adapter_config.json there (save it with save_pretrained)"
+        )
+    return str(adapter)
+
+
+def _with_adapter(base: str, adapter: str | None) -> ModelSource:
+    has_tokenizer = adapter is not None and (Path(adapter) / "tokenizer_config.json").is_file()
+    return ModelSource(base=base, adapter=adapter, tokenizer=adapter if has_tokenizer else base)
+
+
+def load_model(source: ModelSource, *, load_in_8bit: bool = False, device: str = "cpu") -> tuple[Any, Any]:
+    """Load `source` as (model, tokenizer): the base with `dtype="auto"` (as HFLM does), then the adapter.
+
+    `load_in_8bit` quantizes the base with `BitsAndBytesConfig(load_in_8bit=True)` on `device`
+    (bitsandbytes >= 0.45 runs 8-bit matmuls on CPU too).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    kwargs: dict[str, Any] = {"dtype": "auto", "device_map": device}
+    if load_in_8bit:
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.base, **kwargs)
+    except OSError as err:
+        reason = offline_reason()
+        where = f"; the Hub is out of reach ({reason})" if reason else ""
+        raise OSError(
+            f"model={source.base!r} could not be loaded as a local folder or Hub model{where}: {err}"
+        ) from err
+    if source.adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, source.adapter)
+    return model.eval(), AutoTokenizer.from_pretrained(source.tokenizer)
+
+
+def evaluate_model(
+    model: Any,
+    *,
+    tokenizer: Any = None,
+    adapter: str | os.PathLike[str] | None = None,
+    load_in_8bit: bool = False,
+    tasks: str | Sequence[str] = DEFAULT_TASKS,
+    num_fewshot: int | None = None,
+    limit: int | float | None = None,
+    include_path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    offline_tasks: bool | None = None,
+    perplexity_file: str | os.PathLike[str] | None = None,
+    batch_size: int | str = 1,
+    device: str | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
+    task_manager: TaskManager | None = None,
+) -> dict[str, Any]:
+    """Evaluate `model` with lm-eval and return lm-eval's results, plus a `metadata` entry saying what ran.
+
+    Args:
+        model: a transformers/peft model in memory (give its `tokenizer`, or HFLM loads the one named by the model),
+            or a model folder, Hub name, peft adapter folder or fine-tune output_dir (see `resolve_model_source`).
+        adapter: a peft adapter folder to apply on top of `model`.
+        load_in_8bit: load the base in 8-bit with bitsandbytes (only for a `model` given as a path or name).
+        tasks: lm-eval task names, as a list or comma-separated; `mmlu` and `hellaswag` become their local
+            look-alikes when offline. Each task runs with its own default shots (`DEFAULT_NUM_FEWSHOT`) unless
+            `num_fewshot` is given, which then applies to every task but the perplexity one (it has no prompt).
+        limit: documents per task (per subject for MMLU), or a fraction below 1, as lm-eval's `limit`.
+        include_path: folder(s) of your own task YAMLs, exactly as lm-eval's `--include_path`.
+        offline_tasks: True runs the local look-alikes, False the real tasks, None decides by `offline_reason()`.
+        perplexity_file: plain text (documents separated by a blank line) to score with `gnmr_perplexity`; the task
+            is added to `tasks`.
+        batch_size: HFLM's batch size (an int, or "auto").
+        device: where a model given as a path is loaded ("cpu", "cuda", "cuda:1"; default: cuda when available).
+        output_dir: where results.json, results.md and the rendered task YAMLs (lm_eval_tasks/) go; None writes
+            nothing.
+        task_manager: an `lm_eval.tasks.TaskManager` to reuse instead of building one (building the index of all
+            lm-eval tasks takes ~15 s). It must index the local tasks: build it with
+            `include_path=write_local_tasks(folder)`.
+    """
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    task_list = _task_list(tasks)
+    _check_options(num_fewshot, limit, batch_size, task_manager, include_path, perplexity_file)
+    user_paths = _paths(include_path)
+    source = None
+    if isinstance(model, (str, os.PathLike)) or model is None:
+        source = resolve_model_source(model, adapter)
+    elif adapter is not None or load_in_8bit:
+        raise ValueError(
+            "adapter and load_in_8bit apply to a model given as a path or name; for a model in memory, quantize "
+            "it and apply the adapter (peft.PeftModel.from_pretrained) before calling evaluate_model"
+        )
+
+    if offline_tasks is None:
+        reason = offline_reason()
+    else:
+        reason = "offline_tasks=True" if offline_tasks else None
+    plan = {name: LOCAL_TASKS.get(name, name) if reason else name for name in task_list}
+    if perplexity_file is not None:
+        plan.setdefault(PERPLEXITY_TASK, PERPLEXITY_TASK)
+    _log_plan(plan, reason)
+    shots = {
+        run: 0 if run == PERPLEXITY_TASK else num_fewshot if num_fewshot is not None else DEFAULT_NUM_FEWSHOT.get(run)
+        for run in plan.values()
+    }
+
+    with _task_folder(output_dir) as local_dir:
+        if task_manager is None:
+            from lm_eval.tasks import TaskManager
+
+            write_local_tasks(local_dir, perplexity_file)
+            task_manager = TaskManager(include_path=[str(local_dir), *user_paths])
+        # Task names are checked before the model is loaded: a typo should not cost a 13B load.
+        _check_known(list(plan.values()), task_manager)
+        if source is not None:
+            device = device or _default_device()
+            hf_model, loaded_tokenizer = load_model(source, load_in_8bit=load_in_8bit, device=device)
+            tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+        else:
+            hf_model = model
+        lm = HFLM(pretrained=hf_model, tokenizer=tokenizer, batch_size=batch_size)
+        merged: dict[str, Any] = {}
+        # One lm-eval call per few-shot setting: simple_evaluate's num_fewshot applies to all the tasks it is given.
+        for n_shot in dict.fromkeys(shots.values()):
+            names = [run for run, n in shots.items() if n == n_shot]
+            out = lm_eval.simple_evaluate(
+                model=lm, tasks=names, num_fewshot=n_shot, limit=limit, task_manager=task_manager, log_samples=False
+            )
+            for key in _RESULT_KEYS:
+                merged.setdefault(key, {}).update(out.get(key) or {})
+
+    merged["metadata"] = {
+        "model": source.base if source else getattr(hf_model, "name_or_path", type(hf_model).__name__),
+        "adapter": source.adapter if source else None,
+        "load_in_8bit": load_in_8bit,
+        "tasks_requested": task_list,
+        "tasks_run": list(plan.values()),
+        "task_map": plan,
+        "offline": reason is not None,
+        "offline_reason": reason,
+        "num_fewshot": shots,
+        "limit": limit,
+        "batch_size": batch_size,
+        "device": str(getattr(hf_model, "device", device)),
+        "include_path": user_paths,
+        "perplexity_file": str(Path(perplexity_file).resolve()) if perplexity_file is not None else None,
+        "lm_eval_version": _version("lm_eval"),
+        "transformers_version": _version("transformers"),
+        "peft_version": _version("peft") if source and source.adapter else None,
+    }
+    if output_dir is not None:
+        write_results(merged, output_dir)
+    return merged
+
+
+def _task_list(tasks: str | Sequence[str]) -> list[str]:
+    names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else [str(t).strip() for t in tasks]
+    names = [t for t in dict.fromkeys(names) if t]
+    if not names:
+        raise ValueError(f"tasks={tasks!r} names no task; e.g. 'mmlu,hellaswag'")
+    return names
+
+
+def _check_options(
+    num_fewshot: int | None,
+    limit: int | float | None,
+    batch_size: int | str,
+    task_manager: TaskManager | None,
+    include_path: Any,
+    perplexity_file: Any,
+) -> None:
+    if num_fewshot is not None and num_fewshot < 0:
+        raise ValueError(f"num_fewshot={num_fewshot} must be >= 0 (or None for each task's default)")
+    if limit is not None and limit <= 0:
+        raise ValueError(f"limit={limit} must be > 0: a number of documents, or a fraction below 1")
+    if isinstance(batch_size, int) and batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1 or 'auto'")
+    if task_manager is not None and (include_path is not None or perplexity_file is not None):
+        raise ValueError(
+            "task_manager is used as given: build it with the include_path and perplexity_file you need "
+            "(TaskManager(include_path=[write_local_tasks(folder, perplexity_file), ...])) instead of passing them"
+        )
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _paths(include_path: Any) -> list[str]:
+    if include_path is None:
+        return []
+    if isinstance(include_path, (str, os.PathLike)):
+        include_path = [include_path]
+    missing = [str(p) for p in include_path if not Path(p).is_dir()]
+    if missing:
+        raise FileNotFoundError(f"include_path: not a folder: {', '.join(missing)}")
+    return [str(Path(p).resolve()) for p in include_path]
+
+
+def _log_plan(plan: dict[str, str], reason: str | None) -> None:
+    swapped = {asked: run for asked, run in plan.items() if asked != run}
+    if swapped:
+        logger.warning(
+            "Offline (%s): running the local look-alike tasks %s. They share the real tasks' prompts and metrics "
+            "but not their items: their numbers are not MMLU/HellaSwag numbers.",
+            reason,
+            ", ".join(f"{run} in place of {asked}" for asked, run in swapped.items()),
+        )
+    logger.info("Tasks: %s", ", ".join(plan.values()))
+
+
+def _check_known(names: list[str], task_manager: TaskManager) -> None:
+    import difflib
+
+    known = set(task_manager.all_tasks)
+    unknown = [name for name in names if name not in known]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, sorted(known), n=5)
+        hints.append(f"{name!r} (close: {', '.join(close)})" if close else repr(name))
+    local = sorted(n for n in known if n.startswith("gnmr_"))
+    raise ValueError(
+        f"tasks: unknown task {'; '.join(hints)}. The defaults are {', '.join(DEFAULT_TASKS)}; the local tasks are "
+        f"{', '.join(local) or 'not indexed'}; list all {len(known)} with `lm-eval ls tasks [--include_path DIR]`"
+    )
+
+
+@contextmanager
+def _task_folder(output_dir: str | os.PathLike[str] | None) -> Iterator[Path]:
+    """output_dir/lm_eval_tasks, kept as a record of what ran; or a temporary folder when nothing is written."""
+    if output_dir is not None:
+        yield Path(output_dir) / "lm_eval_tasks"
+        return
+    with tempfile.TemporaryDirectory(prefix="gnmr_lm_eval_tasks_") as tmp:
+        yield Path(tmp)
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package.replace("_", "-"))
+    except PackageNotFoundError:
+        return None
+
+
+def write_results(results: dict[str, Any], output_dir: str | os.PathLike[str]) -> Path:
+    """Write `results` (as `evaluate_model` returns them) to output_dir/results.json and a results.md table."""
+    from lm_eval.utils import make_table
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    meta = results["metadata"]
+    lines = [
+        f"# Evaluation of {meta['model']}" + (f" + adapter {meta['adapter']}" if meta["adapter"] else ""),
+        "",
+        f"- tasks run: {', '.join(meta['tasks_run'])}",
+        f"- offline: {meta['offline']}" + (f" ({meta['offline_reason']})" if meta["offline"] else ""),
+        f"- num_fewshot: {meta['num_fewshot']}; limit: {meta['limit']}; 8-bit: {meta['load_in_8bit']}",
+        f"- lm-eval {meta['lm_eval_version']}, transformers {meta['transformers_version']}",
+        "",
+    ]
+    swapped = {asked: run for asked, run in meta["task_map"].items() if asked != run}
+    if swapped:
+        lines += [
+            "Local look-alike tasks ran in place of "
+            + ", ".join(f"`{asked}` (`{run}`)" for asked, run in swapped.items())
+            + ": these are not MMLU/HellaSwag numbers.",
+            "",
+        ]
+    lines.append(make_table(results))
+    if results.get("groups"):
+        lines += ["", make_table(results, "groups")]
+    (out / "results.md").write_text("\n".join(lines))
+    return out / "results.json"
+
+
+def compare_results(
+    sources: Sequence[str | os.PathLike[str]],
+    output_dir: str | os.PathLike[str],
+    names: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Put several arms' results side by side: output_dir/comparison.md (arms as columns) and comparison.json.
+
+    `sources` are results.json files or the folders holding them (e.g. the int8, gnmr and bf16 runs' eval
+    folders); `names` label the arms (default: the folder names). Rows are the tasks each arm ran at top level
+    (a group's aggregate, not its subtasks) and their metrics as lm-eval names them ("acc,none"), each value with
+    its stderr. Arms that differ in tasks, shots, limit or offline mode are flagged: their numbers do not compare.
+    """
+    files = [Path(s) / "results.json" if Path(s).is_dir() else Path(s) for s in sources]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"sources: no results.json at {', '.join(missing)}")
+    labels = list(names) if names is not None else [f.parent.name for f in files]
+    if len(labels) != len(files) or len(set(labels)) != len(labels):
+        raise ValueError(f"names={labels!r} must give one distinct name per source ({len(files)} sources)")
+    arms = {label: json.loads(f.read_text()) for label, f in zip(labels, files, strict=True)}
+
+    rows: dict[tuple[str, str], dict[str, dict[str, float | None]]] = {}
+    for label, arm in arms.items():
+        for task in arm["metadata"]["tasks_run"]:
+            for key, value in arm["results"].get(task, {}).items():
+                metric, _, filt = key.partition(",")
+                if metric.endswith("_stderr") or not isinstance(value, (int, float)) or isinstance(value, bool):
+                    continue
+                stderr = arm["results"][task].get(f"{metric}_stderr,{filt}")
+                row = rows.setdefault((task, key), {})
+                row[label] = {"value": value, "stderr": stderr if isinstance(stderr, (int, float)) else None}
+
+    fields = ("tasks_run", "num_fewshot", "limit", "offline")
+    differ = [
+        f for f in fields if len({json.dumps(arm["metadata"].get(f), sort_keys=True) for arm in arms.values()}) > 1
+    ]
+    table = {
+        "arms": labels,
+        "sources": [str(f) for f in files],
+        "differ_in": differ,
+        "rows": [{"task": task, "metric": key, "arms": values} for (task, key), values in rows.items()],
+    }
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "comparison.json").write_text(json.dumps(table, indent=2) + "\n")
+    lines = ["| task | metric | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    for row in table["rows"]:
+        cells = [_cell(row["arms"].get(label)) for label in labels]
+        lines.append(f"| {row['task']} | {row['metric']} | " + " | ".join(cells) + " |")
+    if differ:
+        lines += ["", f"Warning: the arms differ in {', '.join(differ)}; their numbers do not compare directly."]
+    (out / "comparison.md").write_text("\n".join(lines) + "\n")
+    return table
+
+
+def _cell(entry: dict[str, float | None] | None) -> str:
+    if entry is None:
+        return "-"
+    text = f"{entry['value']:.4f}"
+    return text + (f" ± {entry['stderr']:.4f}" if entry["stderr"] is not None else "")

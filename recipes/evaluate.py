@@ -1,0 +1,118 @@
+"""Evaluate a model or a fine-tune with lm-evaluation-harness (MMLU 5-shot, HellaSwag 0-shot), then compare arms.
+
+    python recipes/evaluate.py --model runs/gnmr --tasks mmlu,hellaswag --output_dir runs/gnmr/eval
+    python recipes/evaluate.py --model meta-llama/Llama-2-13b-hf --adapter runs/int8 --load_in_8bit \\
+        --output_dir runs/int8/eval
+    python recipes/evaluate.py --compare runs/int8/eval runs/gnmr/eval runs/bf16/eval --names int8 gnmr bf16 \\
+        --output_dir runs/compare
+
+`--model` is a model folder, a Hub name, or a fine-tune's output_dir (a peft adapter folder, or a folder with a
+gnmr_run.json naming base model and adapter). Offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE, or the Hub out of
+reach), or with `--offline_tasks`, the local look-alike tasks run in place of mmlu and hellaswag, and the log and
+results.json say so; `--real_tasks` insists on the real ones (from the HF datasets cache).
+`--perplexity_file heldout.txt` adds perplexity on held-out text. Each evaluation writes results.json (lm-eval's
+own results dict plus what ran) and results.md; `--compare` writes comparison.md and comparison.json. The work is
+done by `gnmr_hf.evaluation`; this script only parses the flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class EvaluateArguments:
+    output_dir: str = field(metadata={"help": "Folder for results.json and results.md (or comparison.*)."})
+    model: str | None = field(
+        default=None, metadata={"help": "Model folder, Hub name, peft adapter folder or fine-tune output_dir."}
+    )
+    adapter: str | None = field(default=None, metadata={"help": "A peft adapter folder to apply on top of --model."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base model in 8-bit with bitsandbytes."})
+    tasks: str = field(default="mmlu,hellaswag", metadata={"help": "Comma-separated lm-eval task names."})
+    num_fewshot: int | None = field(
+        default=None, metadata={"help": "Shots for every task (default: MMLU 5, HellaSwag 0, others their own)."}
+    )
+    limit: float | None = field(
+        default=None, metadata={"help": "Documents per task (per MMLU subject), or a fraction below 1."}
+    )
+    include_path: str | None = field(
+        default=None, metadata={"help": "A folder of your own task YAMLs, as lm-eval's --include_path."}
+    )
+    offline_tasks: bool = field(
+        default=False, metadata={"help": "Run the local look-alike tasks even when the Hub is reachable."}
+    )
+    real_tasks: bool = field(
+        default=False,
+        metadata={"help": "Run the real tasks even when offline is detected (their data must be in the HF cache)."},
+    )
+    perplexity_file: str | None = field(
+        default=None, metadata={"help": "Held-out plain text (documents separated by a blank line) to score."}
+    )
+    batch_size: str = field(default="1", metadata={"help": "Batch size: an integer or 'auto'."})
+    device: str | None = field(default=None, metadata={"help": "cpu, cuda, cuda:1 (default: cuda when available)."})
+    compare: list[str] | None = field(
+        default=None, metadata={"help": "Compare these arms' eval folders (or results.json files) instead."}
+    )
+    names: list[str] | None = field(default=None, metadata={"help": "Names of the --compare arms, in order."})
+
+    def __post_init__(self) -> None:
+        if self.compare is None and self.model is None and self.adapter is None:
+            raise ValueError("--model is required (or --compare DIR ... to compare finished evaluations)")
+        if self.compare is not None and self.model is not None:
+            raise ValueError("--compare reads finished evaluations; it does not take --model")
+        if self.names is not None and self.compare is None:
+            raise ValueError("--names labels the --compare arms; pass --compare DIR ... too")
+        if self.offline_tasks and self.real_tasks:
+            raise ValueError("--offline_tasks and --real_tasks exclude each other; pass at most one")
+        if self.batch_size != "auto" and not self.batch_size.isdigit():
+            raise ValueError(f"--batch_size={self.batch_size!r} must be an integer or 'auto'")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from transformers import HfArgumentParser
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = HfArgumentParser(EvaluateArguments, description=__doc__.split("\n\n")[0])
+    try:
+        (args,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
+    except ValueError as err:
+        parser.error(str(err))
+
+    from gnmr_hf.evaluation import compare_results, evaluate_model
+
+    try:
+        if args.compare is not None:
+            table = compare_results(args.compare, args.output_dir, names=args.names)
+            print(f"compared {', '.join(table['arms'])}: {args.output_dir}/comparison.md")
+            return 0
+        limit = args.limit  # a float flag, as lm-eval's own --limit; whole numbers are document counts
+        results = evaluate_model(
+            args.model,
+            adapter=args.adapter,
+            load_in_8bit=args.load_in_8bit,
+            tasks=args.tasks,
+            num_fewshot=args.num_fewshot,
+            limit=int(limit) if limit is not None and limit >= 1 else limit,
+            include_path=args.include_path,
+            # Neither flag: let the library detect connectivity (gnmr_hf.evaluation.offline_reason).
+            offline_tasks=True if args.offline_tasks else False if args.real_tasks else None,
+            perplexity_file=args.perplexity_file,
+            batch_size=args.batch_size if args.batch_size == "auto" else int(args.batch_size),
+            device=args.device,
+            output_dir=args.output_dir,
+        )
+    except (FileNotFoundError, ValueError, OSError) as err:
+        print(f"evaluate.py: error: {err}", file=sys.stderr)
+        return 2
+    print(Path(args.output_dir, "results.md").read_text())
+    meta = results["metadata"]
+    print(f"tasks run: {', '.join(meta['tasks_run'])} (offline: {meta['offline']}); results: {Path(args.output_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""Evaluation through lm-evaluation-harness: local MMLU/HellaSwag look-alikes, adapters, 8-bit, results files, CLI.
+
+Everything runs offline on a tiny LLaMA with a character tokenizer. The tests share one lm-eval TaskManager that
+indexes only the local and user task folders (`include_defaults=False`): indexing lm-eval's ~15k built-in tasks
+takes ~15 s, and the CLI test pays it once, on the real path, as a user would.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from gnmr_hf.evaluation import (
+    DATA_DIR,
+    LOCAL_TASKS,
+    PERPLEXITY_TASK,
+    RUN_FILE,
+    compare_results,
+    evaluate_model,
+    load_model,
+    offline_reason,
+    resolve_model_source,
+    write_local_tasks,
+    write_results,
+)
+from gnmr_hf.tiny import build_tiny_llama, char_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 2
+USER_TASK = "gnmr_test_user_task"
+LM_EVAL_TASKS = Path(importlib.import_module("lm_eval").__file__).parent / "tasks"
+
+
+class _FunctionTagLoader(yaml.SafeLoader):
+    """Reads lm-eval task YAMLs as data: a `!function x.y` tag stays the string '!function x.y'."""
+
+
+_FunctionTagLoader.add_constructor("!function", lambda loader, node: f"!function {loader.construct_scalar(node)}")
+
+
+def _read_yaml(path: Path) -> dict:
+    return yaml.load(path.read_text(), Loader=_FunctionTagLoader)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_environment_report():
+    """Skip lm-eval's per-call environment report (torch's collect_env runs `pip list` and more, ~1 s a call).
+
+    It only fills results["pretty_env_info"], which nothing here reads; the CLI test keeps it, as users get it.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("lm_eval.evaluator.add_env_info", lambda results: None)
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    path = build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_eval"))
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def user_tasks(tmp_path_factory) -> Path:
+    """A user's own task folder in the style of lm-eval's tests/test_configs/simple_task.yaml (1-shot)."""
+    folder = tmp_path_factory.mktemp("user_tasks")
+    rows = [
+        {"question": "Is the sky blue on a clear day?", "choices": ["yes", "no"], "answer": 0},
+        {"question": "Can a fish climb a ladder?", "choices": ["yes", "no"], "answer": 1},
+        {"question": "Is snow cold?", "choices": ["yes", "no"], "answer": 0},
+        {"question": "Do cats bark?", "choices": ["yes", "no"], "answer": 1},
+    ]
+    (folder / "items.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / f"{USER_TASK}.yaml").write_text(
+        f"task: {USER_TASK}\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {json.dumps(str(folder / 'items.jsonl'))}\n"
+        "output_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\n'
+        'doc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\n'
+        "test_split: test\n"
+        "num_fewshot: 1\n"
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        "metadata:\n  version: 1.0\n"
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def task_manager(tmp_path_factory, user_tasks):
+    from lm_eval.tasks import TaskManager
+
+    local = write_local_tasks(tmp_path_factory.mktemp("local_tasks"))
+    return TaskManager(include_path=[str(local), str(user_tasks)], include_defaults=False)
+
+
+@pytest.fixture(scope="module")
+def baseline_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("baseline_eval")
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_dir, task_manager, baseline_dir) -> dict:
+    """The default tasks (offline, as conftest.py sets HF_HUB_OFFLINE=1) plus the user's own task."""
+    return evaluate_model(
+        str(tiny_dir),
+        tasks=f"mmlu,hellaswag,{USER_TASK}",
+        limit=LIMIT,
+        device="cpu",
+        task_manager=task_manager,
+        output_dir=baseline_dir,
+    )
+
+
+@pytest.fixture(scope="module")
+def adapter_run(tiny_dir, tmp_path_factory) -> Path:
+    """A fine-tune output_dir: a LoRA adapter saved with save_pretrained, with random (non-zero) lora_B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path_factory.mktemp("finetune_run")
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:  # peft starts lora_B at zero: an untrained adapter would change nothing
+                param.normal_(std=0.5)
+    peft_model.save_pretrained(run)
+    return run
+
+
+def _perplexity(model, **kwargs) -> dict:
+    return evaluate_model(model, tasks=PERPLEXITY_TASK, limit=LIMIT, device="cpu", **kwargs)
+
+
+@functools.cache
+def _recipe():
+    spec = importlib.util.spec_from_file_location("gnmr_evaluate_recipe", ROOT / "recipes" / "evaluate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building EvaluateArguments
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_local_tasks_mirror_lm_eval_own_configs(tmp_path):
+    ours = write_local_tasks(tmp_path)
+    real_mmlu = _read_yaml(LM_EVAL_TASKS / "mmlu" / "default" / "_default_template_yaml")
+    mmlu = _read_yaml(ours / "_gnmr_mmlu_local_template_yaml")
+    for key in ("test_split", "fewshot_split", "fewshot_config", "output_type", "doc_to_text", "doc_to_choice"):
+        assert mmlu[key] == real_mmlu[key], key
+    assert (mmlu["doc_to_target"], mmlu["metric_list"]) == (real_mmlu["doc_to_target"], real_mmlu["metric_list"])
+    group = _read_yaml(ours / "gnmr_mmlu_local.yaml")
+    assert (
+        group["aggregate_metric_list"]
+        == _read_yaml(LM_EVAL_TASKS / "mmlu" / "default" / "_mmlu.yaml")["aggregate_metric_list"]
+    )
+    for subject in group["task"]:
+        config = _read_yaml(ours / f"{subject}.yaml")
+        assert config["include"] == "_gnmr_mmlu_local_template_yaml"
+        assert config["description"].startswith("The following are multiple choice questions (with answers) about ")
+        assert all(
+            Path(f).is_absolute() and Path(f).is_file() for f in config["dataset_kwargs"]["data_files"].values()
+        )
+
+    real_hellaswag = _read_yaml(LM_EVAL_TASKS / "hellaswag" / "hellaswag.yaml")
+    hellaswag = _read_yaml(ours / "gnmr_hellaswag_local.yaml")
+    for key in ("output_type", "training_split", "validation_split", "test_split", "doc_to_text", "doc_to_target"):
+        assert hellaswag[key] == real_hellaswag[key], key
+    assert (hellaswag["doc_to_choice"], hellaswag["metric_list"]) == (
+        real_hellaswag["doc_to_choice"],
+        real_hellaswag["metric_list"],
+    )
+    # The same preprocessing function: ours names lm-eval's module, the real task its sibling utils.py.
+    assert real_hellaswag["process_docs"] == "!function utils.process_docs"
+    assert hellaswag["process_docs"] == "!function lm_eval.tasks.hellaswag.utils.process_docs"
+    assert (
+        Path(importlib.import_module("lm_eval.tasks.hellaswag.utils").__file__)
+        == LM_EVAL_TASKS / "hellaswag" / "utils.py"
+    )
+
+    wikitext = _read_yaml(LM_EVAL_TASKS / "wikitext" / "wikitext.yaml")
+    perplexity = _read_yaml(ours / f"{PERPLEXITY_TASK}.yaml")
+    assert (perplexity["output_type"], perplexity["metric_list"]) == (wikitext["output_type"], wikitext["metric_list"])
+
+
+def test_shipped_items_follow_the_benchmark_schemas():
+    mmlu = [json.loads(line) for f in sorted(DATA_DIR.glob("mmlu_*.jsonl")) for line in f.read_text().splitlines()]
+    assert 20 <= len(mmlu) <= 40
+    for row in mmlu:
+        assert set(row) == {"question", "subject", "choices", "answer"}
+        assert len(row["choices"]) == 4 and row["answer"] in range(4)
+    hellaswag = [json.loads(line) for f in DATA_DIR.glob("hellaswag_*.jsonl") for line in f.read_text().splitlines()]
+    assert 20 <= len(hellaswag) <= 40
+    rowan_keys = {"ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "source_id", "split", "split_type"}
+    for row in hellaswag:
+        assert set(row) == rowan_keys | {"label"}
+        assert len(row["endings"]) == 4 and row["label"] in {"0", "1", "2", "3"}
+
+
+def test_offline_runs_the_local_tasks_with_the_real_tasks_metric_names(baseline):
+    meta = baseline["metadata"]
+    assert meta["task_map"] == {**LOCAL_TASKS, USER_TASK: USER_TASK}
+    assert meta["offline"] and "HF_HUB_OFFLINE" in meta["offline_reason"]
+    assert meta["num_fewshot"] == {"gnmr_mmlu_local": 5, "gnmr_hellaswag_local": 0, USER_TASK: None}
+    results = baseline["results"]
+    assert {"acc,none", "acc_stderr,none"} <= set(results["gnmr_mmlu_local"])  # the group's aggregate, as mmlu's
+    assert "gnmr_mmlu_local_world_geography" in results
+    assert {"acc,none", "acc_stderr,none", "acc_norm,none", "acc_norm_stderr,none"} <= set(
+        results["gnmr_hellaswag_local"]
+    )
+    assert baseline["n-shot"]["gnmr_mmlu_local_elementary_arithmetic"] == 5
+
+
+def test_numbers_are_exactly_those_of_lm_eval_simple_evaluate(baseline, tiny_dir, task_manager):
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=str(tiny_dir), device="cpu", batch_size=1)
+    direct = {}
+    # MMLU 5-shot; HellaSwag and the user task at their YAML's shots (none given: 0; the user's: 1).
+    for tasks, shots in ((["gnmr_mmlu_local"], 5), (["gnmr_hellaswag_local", USER_TASK], None)):
+        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=shots, limit=LIMIT, task_manager=task_manager)
+        direct.update(out["results"])
+    assert direct == baseline["results"]
+
+
+def test_user_task_from_include_path_runs_unchanged(baseline):
+    assert baseline["n-shot"][USER_TASK] == 1  # the YAML's own num_fewshot, not overridden
+    assert {"acc,none", "acc_stderr,none"} <= set(baseline["results"][USER_TASK])
+
+
+def test_offline_tasks_false_asks_for_the_real_tasks(tiny_dir, task_manager):
+    # This TaskManager indexes no built-in task, so asking for the real mmlu must fail by name.
+    with pytest.raises(ValueError, match=r"unknown task 'mmlu'.*gnmr_mmlu_local"):
+        evaluate_model(str(tiny_dir), offline_tasks=False, device="cpu", task_manager=task_manager)
+
+
+def test_offline_is_detected_from_the_environment_or_an_unreachable_hub(monkeypatch):
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens there
+    assert "unreachable" in offline_reason(timeout=1.0)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert offline_reason() == "HF_DATASETS_OFFLINE=1"
+
+
+def test_model_sources_of_a_finetune_output_dir(tiny_dir, adapter_run, tmp_path):
+    # A peft adapter folder, the same given as base + adapter, and a gnmr_run.json naming both: one source.
+    assert resolve_model_source(str(adapter_run)) == resolve_model_source(str(tiny_dir), adapter_run)
+    source = resolve_model_source(str(adapter_run))
+    assert (source.base, source.adapter, source.tokenizer) == (str(tiny_dir), str(adapter_run), str(tiny_dir))
+    (tmp_path / RUN_FILE).write_text(json.dumps({"base_model": str(tiny_dir), "adapter": str(adapter_run)}))
+    assert resolve_model_source(tmp_path) == source
+    assert resolve_model_source(str(tiny_dir)).adapter is None
+    # A fine-tune that saved its tokenizer beside the adapter (it may have added tokens) is read with that one.
+    with_tokenizer = tmp_path / "with_tokenizer"
+    with_tokenizer.mkdir()
+    for file in adapter_run.iterdir():
+        (with_tokenizer / file.name).write_bytes(file.read_bytes())
+    char_tokenizer().save_pretrained(with_tokenizer)
+    assert resolve_model_source(with_tokenizer).tokenizer == str(with_tokenizer)
+
+
+def test_finetune_output_dir_evaluates_with_its_adapter_applied(tiny_dir, adapter_run, task_manager):
+    base = _perplexity(str(tiny_dir), task_manager=task_manager)
+    tuned = _perplexity(str(adapter_run), task_manager=task_manager)
+    assert tuned["metadata"]["model"] == str(tiny_dir) and tuned["metadata"]["adapter"] == str(adapter_run)
+    key = "bits_per_byte,none"
+    assert tuned["results"][PERPLEXITY_TASK][key] != base["results"][PERPLEXITY_TASK][key]
+    # The same peft model handed over in memory, with its tokenizer, gives the same numbers.
+    model, tokenizer = load_model(resolve_model_source(str(adapter_run)), device="cpu")
+    in_memory = _perplexity(model, tokenizer=tokenizer, task_manager=task_manager)
+    assert in_memory["results"] == tuned["results"]
+
+
+def test_load_in_8bit_on_cpu(tiny_dir, task_manager):
+    from bitsandbytes.nn import Linear8bitLt
+
+    model, _ = load_model(resolve_model_source(str(tiny_dir)), load_in_8bit=True, device="cpu")
+    assert any(isinstance(module, Linear8bitLt) for module in model.modules())
+    results = _perplexity(str(tiny_dir), load_in_8bit=True, task_manager=task_manager)
+    assert results["metadata"]["load_in_8bit"]
+    assert math.isfinite(results["results"][PERPLEXITY_TASK]["bits_per_byte,none"])
+
+
+def test_results_files_keep_lm_eval_metric_keys(baseline, baseline_dir):
+    results_json = baseline_dir / "results.json"
+    saved = json.loads(results_json.read_text())
+    assert saved["results"] == baseline["results"]
+    assert saved["metadata"]["tasks_run"] == ["gnmr_mmlu_local", "gnmr_hellaswag_local", USER_TASK]
+    table = results_json.with_name("results.md").read_text()
+    assert "acc_norm" in table and "gnmr_mmlu_local" in table and "not MMLU/HellaSwag numbers" in table
+
+
+def test_comparison_table_of_three_arms(baseline, tmp_path):
+    arms = {}
+    for shift, name in enumerate(("int8", "gnmr", "bf16")):
+        arm = copy.deepcopy(baseline)
+        arm["results"]["gnmr_mmlu_local"]["acc,none"] = 0.25 * shift
+        arms[name] = write_results(arm, tmp_path / name).parent
+    table = compare_results(list(arms.values()), tmp_path / "compare")
+    assert table["arms"] == ["int8", "gnmr", "bf16"] and table["differ_in"] == []
+    row = next(r for r in table["rows"] if (r["task"], r["metric"]) == ("gnmr_mmlu_local", "acc,none"))
+    assert [row["arms"][name]["value"] for name in arms] == [0.0, 0.25, 0.5]
+    markdown = (tmp_path / "compare" / "comparison.md").read_text()
+    assert markdown.splitlines()[0] == "| task | metric | int8 | gnmr | bf16 |"
+    assert "| gnmr_hellaswag_local | acc_norm,none |" in markdown
+
+    other = copy.deepcopy(baseline)
+    other["metadata"]["limit"] = 100
+    write_results(other, tmp_path / "full")
+    flagged = compare_results([arms["int8"], tmp_path / "full"], tmp_path / "flagged", names=["a", "b"])
+    assert flagged["differ_in"] == ["limit"]
+    assert "differ in limit" in (tmp_path / "flagged" / "comparison.md").read_text()
+
+
+def test_unknown_task_names_the_close_matches(tiny_dir, task_manager):
+    with pytest.raises(ValueError, match=r"unknown task 'gnmr_hellaswag_locl' \(close: gnmr_hellaswag_local"):
+        evaluate_model(str(tiny_dir), tasks="gnmr_hellaswag_locl", device="cpu", task_manager=task_manager)
+
+
+def test_clear_errors_for_a_missing_model_and_an_adapter_without_base(tmp_path, tiny_dir, adapter_run):
+    with pytest.raises(FileNotFoundError, match=r"model=.*no such folder"):
+        resolve_model_source(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"adapter=.*needs a base model"):
+        resolve_model_source(None, adapter_run)
+    with pytest.raises(FileNotFoundError, match=r"adapter=.*no adapter_config.json"):
+        resolve_model_source(str(tiny_dir), tmp_path)
+    with pytest.raises(OSError, match=r"model='gnmr-test/no-such-model' could not be loaded.*HF_HUB_OFFLINE"):
+        load_model(resolve_model_source("gnmr-test/no-such-model"))
+
+
+def test_cli_reports_errors_with_the_flag(tmp_path, capsys):
+    main = _recipe().main
+    assert main(["--model", str(tmp_path / "missing"), "--output_dir", str(tmp_path)]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert main(["--adapter", str(tmp_path), "--output_dir", str(tmp_path)]) == 2
+    assert "needs a base model" in capsys.readouterr().err
+
+
+def test_cli_runs_end_to_end(tiny_dir, user_tasks, tmp_path):
+    out = tmp_path / "eval"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [
+        sys.executable,
+        str(ROOT / "recipes" / "evaluate.py"),
+        "--model",
+        str(tiny_dir),
+        "--tasks",
+        f"mmlu,hellaswag,{USER_TASK}",
+        "--include_path",
+        str(user_tasks),
+        "--perplexity_file",
+        str(DATA_DIR / "heldout.txt"),
+        "--limit",
+        "4",
+        "--device",
+        "cpu",
+        "--output_dir",
+        str(out),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "gnmr_mmlu_local in place of mmlu" in done.stderr
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["metadata"]["tasks_run"] == ["gnmr_mmlu_local", "gnmr_hellaswag_local", USER_TASK, PERPLEXITY_TASK]
+    assert saved["metadata"]["limit"] == 4 and saved["n-samples"][USER_TASK]["effective"] == 4
+    assert {"word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"} <= set(
+        saved["results"][PERPLEXITY_TASK]
+    )
+    assert (out / "lm_eval_tasks" / "gnmr_mmlu_local.yaml").is_file()
+
+    compare = _recipe().main(
+        ["--compare", str(out), str(out), "--names", "gnmr", "bf16", "--output_dir", str(tmp_path)]
+    )
+    assert compare == 0
+    assert "| gnmr_mmlu_local | acc,none |" in (tmp_path / "comparison.md").read_text()
