@@ -1,0 +1,462 @@
+"""Low-bit numerics shared by the backends: absmax integers with bit packing, and block-scaled low-bit floats.
+
+Two families of cheap paths need the same few pieces of arithmetic, so they live here once, as plain tensor
+functions with no module or autograd machinery (the backends wrap them).
+
+**Integer absmax quantization** (`quantize_absmax`, used by `act_quant` for the input a Linear saves for
+backward). Symmetric, no zero point: with qmax = 2**(bits-1) - 1 the codes are the integers -qmax..qmax
+(4 bits: -7..7, 8 bits: -127..127; the extra negative code -2**(bits-1) is left unused so that +x and -x
+quantize alike) and scale = absmax / qmax, one float32 per tensor or per contiguous group of `group_size`
+elements along the last dimension. Rounding is to nearest with `torch.round` (ties to even), so
+|x - dequantized| <= scale / 2; or stochastic, floor(x / scale + U[0, 1)), unbiased (E[dequantized] = x) with
+|x - dequantized| < scale. Both bounds hold in exact arithmetic; float32 evaluation of x / scale adds a few ulps,
+and dequantizing to a bf16/fp16 original dtype adds that dtype's own rounding. `absmax_error_bound` returns the
+bound per element. The codes are stored offset by +qmax as uint8 and *packed*: 8 // bits codes share a byte
+when bits divides 8 (2 bits: four per byte, 4 bits: two), one per byte otherwise, so 4-bit storage really is
+half of 8-bit. The obvious alternative, int8 codes in an int8 tensor whatever the bit width, saves no memory
+below 8 bits, which is the point of the cheap path.
+
+**Low-bit floats** (`round_to_format`, `quantize_blocks`, used by `block_fp`). `round_to_format` rounds float32
+values to the nearest value of an element format (`FORMATS`): the OCP Microscaling (MX) v1.0 element types
+FP4 e2m1 (max 6), FP6 e2m3 (max 7.5) and FP6 e3m2 (max 28), which have no inf/NaN codes, so every exponent code
+is normal and code 0 holds the subnormals; and OCP FP8 e4m3 (E4M3FN: max 448, NaN but no inf) and e5m2 (max
+57344, IEEE-like). Ties go to the even mantissa, finite values beyond the largest finite value saturate to
++-max (no format here ever produces inf from a finite input), subnormals are exact. The result is float32 holding
+the rounded value ("fake quantization"); the format's bit codes are never materialized.
+
+- e4m3 and e5m2 use torch's own casts to `torch.float8_e4m3fn` / `torch.float8_e5m2` (round to nearest even),
+  the conversions real FP8 kernels apply, one fused instruction on a GPU. The casts do not saturate uniformly
+  (torch 2.13 on CPU: e5m2 overflows to inf, e4m3fn saturates and also turns +-inf into +-448; torch 2.11 and
+  older did not saturate e4m3fn either), so values are clamped to +-max first and +-inf is put back after.
+- e2m1, e2m3 and e3m2 have no torch dtype that rounds, so they are rounded here in a handful of elementwise
+  ops: the quantum (spacing) of the format at x is 2**(max(floor(log2|x|), emin) - mbits), a power of two read
+  straight off x's float32 exponent bits (clamping the exponent at emin gives the subnormals the smallest
+  quantum); x / quantum is then exact, `torch.round` rounds it half-to-even (which is ties-to-even on the
+  mantissa, since the integer's parity is the mantissa's), and multiplying back is exact. The obvious
+  alternative, `torch.frexp` + `torch.ldexp`, gives the same results several times slower (docs/quant.md has
+  the measurements).
+- torchao 0.18's `torchao.prototype.custom_fp_utils` rounds FP4/FP6 exactly too, but it is private prototype
+  API, it is slower still (it builds the bit codes and decodes them back), and it turns NaN into 1.5 and +-inf
+  into +-max: plausible finite numbers. The tests cross-check our finite results against it when torchao is
+  importable.
+
+Non-finite values stay visible, by decision: NaN stays NaN and +-inf stays +-inf in `round_to_format`, although
+the formats have no inf code (e4m3 has no inf; the MX types have neither inf nor NaN), because the output is
+float32 and a gradient monitor downstream must see the failure rather than a plausible finite number. In
+`quantize_absmax` and `quantize_blocks` a NaN or inf anywhere in a group/block makes that group's scale NaN, so
+the whole group/block dequantizes to NaN and every other group is untouched.
+
+**Block scaling** (`quantize_blocks`): DeepSeek-V3's fine-grained scaling, one float32 scale per 1x128 tile of
+activations and gradients and per 128x128 block of weights, scale = amax / max so that each block uses the
+format's whole range; or, with `scale="pow2"`, the OCP MX v1.0 conversion (section 6.3): 32-element blocks with a
+power-of-two (E8M0) scale X = 2**(floor(log2(amax)) - emax), where emax is the exponent of the format's largest
+normal value. X keeps only the exponent of amax, so the largest element of a block can land above max and
+saturate (e2m1: amax / X lies in [4, 8), max is 6) - that is the spec's behaviour, reproduced here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "FORMATS",
+    "FloatFormat",
+    "QuantizedTensor",
+    "absmax_error_bound",
+    "pack_codes",
+    "quantize_absmax",
+    "quantize_blocks",
+    "quantized_nbytes",
+    "round_to_format",
+    "unpack_codes",
+]
+
+# float32 layout: 1 sign bit, 8 exponent bits (bias 127), 23 mantissa bits.
+_F32_EXP_MASK = 0x7F800000
+_F32_MAN_BITS = 23
+_F32_BIAS = 127
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Integer absmax quantization and packing
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _check_bits(where: str, bits: Any) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise ValueError(f"{where}: bits must be an int in 2..8, got {bits!r}")
+    return bits
+
+
+def _codes_per_byte(bits: int) -> int:
+    # 3, 5, 6 and 7 bits would straddle byte boundaries; one code per byte keeps unpacking a shift and a mask.
+    return 8 // bits if 8 % bits == 0 else 1
+
+
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)[: _codes_per_byte(bits)]
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 codes, each < 2**bits, into a flat uint8 tensor, 8 // bits codes per byte when bits divides 8.
+
+    Code i of a byte sits at bit offset bits * i (the first code in the low bits). The tail of the last byte is
+    zero-padded; `unpack_codes` needs the original `numel` to drop it. Codes >= 2**bits are not checked (that would
+    cost a device sync) and would corrupt their neighbours. With one code per byte the result is a flat view of
+    `codes`.
+    """
+    _check_bits("pack_codes", bits)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"pack_codes: codes must be a torch.uint8 tensor, got {codes.dtype}")
+    flat = codes.reshape(-1)
+    per_byte = _codes_per_byte(bits)
+    if per_byte == 1:
+        return flat
+    if flat.numel() % per_byte:
+        flat = F.pad(flat, (0, -flat.numel() % per_byte))
+    # The bit fields are disjoint, so their sum is their bitwise or (which has no reduction op).
+    return (flat.view(-1, per_byte) << _shifts(bits, flat.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: the first `numel` codes of `packed`, as a flat uint8 tensor."""
+    _check_bits("unpack_codes", bits)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_codes: packed must be a torch.uint8 tensor, got {packed.dtype}")
+    per_byte = _codes_per_byte(bits)
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"unpack_codes: numel must be an int >= 0, got {numel!r}")
+    if packed.numel() != -(-numel // per_byte):
+        raise ValueError(
+            f"unpack_codes: packed has {packed.numel()} bytes, but {numel} codes of {bits} bits take "
+            f"{-(-numel // per_byte)} ({per_byte} per byte)"
+        )
+    if per_byte == 1:
+        return packed.reshape(-1)
+    codes = (packed.reshape(-1, 1) >> _shifts(bits, packed.device)).bitwise_and_((1 << bits) - 1)
+    return codes.reshape(-1)[:numel]
+
+
+def _check_group_size(where: str, shape: torch.Size, group_size: Any) -> int | None:
+    if group_size is None:
+        return None
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{where}: group_size must be None (one scale per tensor) or an int >= 1, got {group_size!r}")
+    if len(shape) == 0 or shape[-1] % group_size != 0:
+        last = shape[-1] if len(shape) else "none (0-dim tensor)"
+        raise ValueError(
+            f"{where}: group_size={group_size} must divide the last dimension, got shape {tuple(shape)} "
+            f"(last dimension {last}); use group_size=None for one scale per tensor"
+        )
+    return group_size
+
+
+def _scale_shape(shape: torch.Size, group_size: int | None) -> tuple[int, ...]:
+    return () if group_size is None else (*shape[:-1], shape[-1] // group_size)
+
+
+def _absmax_scales(where: str, x: torch.Tensor, bits: Any, group_size: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate, then return (x as float32 groups, scales); groups have shape scale_shape + (group,)."""
+    bits = _check_bits(where, bits)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{where}: x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    group_size = _check_group_size(where, x.shape, group_size)
+    scale_shape = _scale_shape(x.shape, group_size)
+    groups = x.to(torch.float32).reshape(*scale_shape, x.numel() if group_size is None else group_size)
+    if groups.numel() == 0:
+        absmax = groups.new_zeros(scale_shape)
+    else:
+        # amax/amin propagate NaN, and avoid the full-size temporary that abs() would allocate.
+        absmax = torch.maximum(groups.amax(dim=-1), groups.amin(dim=-1).neg())
+    scales = absmax / (2 ** (bits - 1) - 1)
+    # One rule for every non-finite group (NaN or inf inside): scale NaN, so all of it dequantizes to NaN.
+    return groups, torch.where(torch.isfinite(scales), scales, math.nan)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedTensor:
+    """A tensor stored as packed absmax integer codes plus float32 scales; `dequantize()` gives it back.
+
+    `packed` is flat uint8 (codes offset by +qmax); `scales` has shape () for one scale per tensor, or
+    shape[:-1] + (shape[-1] // group_size,). To keep one in a custom autograd Function::
+
+        ctx.save_for_backward(*q.tensors())
+        ctx.q_meta = q.metadata()
+        ...
+        q = QuantizedTensor.from_tensors(*ctx.saved_tensors, **ctx.q_meta)
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    bits: int
+    group_size: int | None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: packed codes plus scales (the small Python metadata is not counted)."""
+        return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def dequantize(self) -> torch.Tensor:
+        """The stored values, with the original shape and dtype."""
+        qmax = 2 ** (self.bits - 1) - 1
+        codes = unpack_codes(self.packed, self.bits, math.prod(self.shape))
+        group = math.prod(self.shape) if self.group_size is None else self.group_size
+        values = codes.to(torch.float32).sub_(qmax).reshape(*self.scales.shape, group)
+        return values.mul_(self.scales.unsqueeze(-1)).reshape(self.shape).to(self.dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed, scales): the tensors to hand to `ctx.save_for_backward`."""
+        return self.packed, self.scales
+
+    def metadata(self) -> dict[str, Any]:
+        """The non-tensor fields, as keyword arguments for `from_tensors`."""
+        return {"shape": self.shape, "dtype": self.dtype, "bits": self.bits, "group_size": self.group_size}
+
+    @classmethod
+    def from_tensors(
+        cls,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        *,
+        shape: torch.Size | tuple[int, ...],
+        dtype: torch.dtype,
+        bits: int,
+        group_size: int | None,
+    ) -> QuantizedTensor:
+        """Rebuild from `tensors()` and `metadata()`, checking that they fit together."""
+        shape = torch.Size(shape)
+        _check_bits("QuantizedTensor.from_tensors", bits)
+        group_size = _check_group_size("QuantizedTensor.from_tensors", shape, group_size)
+        if tuple(scales.shape) != _scale_shape(shape, group_size):
+            raise ValueError(
+                f"QuantizedTensor.from_tensors: scales must have shape {_scale_shape(shape, group_size)} for "
+                f"shape {tuple(shape)} and group_size={group_size}, got {tuple(scales.shape)}"
+            )
+        per_byte = _codes_per_byte(bits)
+        if packed.dtype != torch.uint8 or packed.numel() != -(-math.prod(shape) // per_byte):
+            raise ValueError(
+                f"QuantizedTensor.from_tensors: packed must be uint8 with {-(-math.prod(shape) // per_byte)} "
+                f"elements for shape {tuple(shape)} at {bits} bits, got {packed.dtype} with {packed.numel()}"
+            )
+        return cls(packed, scales, shape, dtype, bits, group_size)
+
+
+def quantize_absmax(
+    x: torch.Tensor,
+    bits: int,
+    *,
+    group_size: int | None = None,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> QuantizedTensor:
+    """Symmetric absmax quantization of `x` to `bits` in 2..8, codes -qmax..qmax, packed (see the module docstring).
+
+    group_size: None for one scale per tensor, or the length of the contiguous groups along the last dimension
+    (which it must divide) that get one scale each. A group of zeros gets scale 0 and dequantizes to exact
+    zeros; a group holding a NaN or inf gets scale NaN and dequantizes to NaN. stochastic: round with
+    floor(v + U[0, 1)) instead of to nearest (ties to even); `generator` makes the draws reproducible.
+    """
+    groups, scales = _absmax_scales("quantize_absmax", x, bits, group_size)
+    qmax = 2 ** (bits - 1) - 1
+    # Zero and NaN groups divide by 1: their codes are then defined (0 after nan_to_num) and the scale decides.
+    v = groups / torch.where(scales > 0, scales, 1.0).unsqueeze(-1)
+    if stochastic:
+        v.add_(torch.rand(v.shape, generator=generator, device=v.device)).floor_()
+    else:
+        v.round_()
+    # clamp catches x / scale landing a rounding error above qmax; NaN codes would be undefined as uint8.
+    codes = v.clamp_(-qmax, qmax).nan_to_num_(0.0).add_(qmax).to(torch.uint8)
+    return QuantizedTensor(pack_codes(codes, bits), scales, x.shape, x.dtype, bits, group_size)
+
+
+def quantized_nbytes(shape: torch.Size | tuple[int, ...], bits: int, group_size: int | None = None) -> int:
+    """Bytes `quantize_absmax` holds for a tensor of `shape` (packed codes plus float32 scales), without quantizing.
+
+    Equal to `QuantizedTensor.nbytes` of the result; a backend uses it to state what a tensor would cost at another
+    bit width (its recovery path's extra bytes) from the shape alone.
+    """
+    _check_bits("quantized_nbytes", bits)
+    shape = torch.Size(shape)
+    group_size = _check_group_size("quantized_nbytes", shape, group_size)
+    codes = -(-math.prod(shape) // _codes_per_byte(bits))
+    return codes + 4 * math.prod(_scale_shape(shape, group_size))
+
+
+def absmax_error_bound(
+    x: torch.Tensor, bits: int, group_size: int | None = None, *, stochastic: bool = False
+) -> torch.Tensor:
+    """Per-element bound on |x - quantize_absmax(x, ...).dequantize()|, float32, shape of x.
+
+    scale / 2 for round to nearest, scale (a strict bound) for stochastic rounding, in exact arithmetic (float32
+    evaluation adds a few ulps of |x|). NaN for the elements of a non-finite group, which have no bound.
+    """
+    groups, scales = _absmax_scales("absmax_error_bound", x, bits, group_size)
+    bound = scales if stochastic else scales / 2
+    return bound.unsqueeze(-1).expand(groups.shape).reshape(x.shape)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Low-bit float formats
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A low-bit float element format: 1 sign bit, `exp_bits`, `man_bits`, exponent bias `bias`.
+
+    `emax` is the exponent of the largest finite value (floor(log2(max_finite))), the emax_elem of the MX spec;
+    `emin` = 1 - bias, the exponent of the smallest normal value. `torch_dtype` is the torch dtype whose cast
+    does the rounding, or None where this module rounds by hand.
+    """
+
+    name: str
+    exp_bits: int
+    man_bits: int
+    bias: int
+    max_finite: float
+    min_normal: float
+    min_subnormal: float
+    has_inf: bool
+    has_nan: bool
+    torch_dtype: torch.dtype | None
+
+    @property
+    def emin(self) -> int:
+        return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        return math.frexp(self.max_finite)[1] - 1
+
+
+# Read-only: the backends and the tests share these constants.
+FORMATS: Mapping[str, FloatFormat] = MappingProxyType(
+    {
+        # OCP MX v1.0 element types: no inf/NaN codes, so the top exponent code is an ordinary normal binade.
+        "e2m1": FloatFormat("e2m1", 2, 1, 1, 6.0, 1.0, 0.5, False, False, None),
+        "e2m3": FloatFormat("e2m3", 2, 3, 1, 7.5, 1.0, 0.125, False, False, None),
+        "e3m2": FloatFormat("e3m2", 3, 2, 3, 28.0, 0.25, 0.0625, False, False, None),
+        # OCP FP8: E4M3FN spends only S.1111.111 on NaN (max 1.75 * 2**8); E5M2 reserves its top exponent, as IEEE.
+        "e4m3": FloatFormat("e4m3", 4, 3, 7, 448.0, 2.0**-6, 2.0**-9, False, True, torch.float8_e4m3fn),
+        "e5m2": FloatFormat("e5m2", 5, 2, 15, 57344.0, 2.0**-14, 2.0**-16, True, True, torch.float8_e5m2),
+    }
+)
+
+
+def _get_format(where: str, fmt: Any) -> FloatFormat:
+    if fmt not in FORMATS:
+        raise ValueError(f"{where}: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+    return FORMATS[fmt]
+
+
+def _round_(v: torch.Tensor, f: FloatFormat) -> torch.Tensor:
+    """Round float32 `v` to format `f` in place and return it: saturating (so +-inf becomes +-max), NaN stays NaN.
+
+    In place because on a CPU every fresh tensor above glibc's mmap threshold (32 MiB) is page-faulted in anew,
+    which costs more than the arithmetic: on 4096 x 4096 float32, `x * 2` takes ~50 ms, `x.mul_(2)` ~4 ms.
+    """
+    if f.torch_dtype is not None:
+        # copy_ converts the float8 tensor back into v's own memory instead of a new float32 tensor.
+        return v.copy_(v.clamp_(-f.max_finite, f.max_finite).to(f.torch_dtype))
+    # The quantum 2**(max(e, emin) - man_bits) as float32 bits: keep v's exponent field, clamp it at emin's and
+    # subtract man_bits. For inf/NaN (field 255) it is a finite power of two, so a NaN stays NaN.
+    q_bits = v.view(torch.int32) & _F32_EXP_MASK
+    q = q_bits.clamp_(min=(f.emin + _F32_BIAS) << _F32_MAN_BITS).sub_(f.man_bits << _F32_MAN_BITS).view(torch.float32)
+    return v.div_(q).round_().mul_(q).clamp_(-f.max_finite, f.max_finite)
+
+
+def round_to_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Each value of `x` rounded to the nearest value of `fmt` (a key of `FORMATS`), as a new float32 tensor.
+
+    Ties to the even mantissa; finite values beyond the format's max saturate to +-max; subnormals exact; NaN
+    stays NaN, +-inf stays +-inf, -0.0 stays -0.0. `x` is first converted to float32, exactly for bf16/fp16;
+    a float64 value within 2**-24 (relative) of a midpoint may round the other way.
+    """
+    f = _get_format("round_to_format", fmt)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"round_to_format: x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    y = _round_(x.to(torch.float32, copy=True), f)
+    # Saturation turned +-inf into +-max; put it back so that the failure stays visible.
+    return torch.where(torch.isinf(x), x, y, out=y)
+
+
+def _check_block(block: Any) -> tuple[int, int]:
+    ok = isinstance(block, (tuple, list)) and len(block) == 2
+    if not ok or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block):
+        raise ValueError(f"quantize_blocks: block must be a pair of ints >= 1 (rows, columns), got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def quantize_blocks(
+    x: torch.Tensor,
+    fmt: str,
+    block: tuple[int, int] | None = None,
+    *,
+    scale: str = "fp32",
+    return_scales: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Fake-quantize `x` to `fmt` with one scale per block: round_to_format(x / s, fmt) * s, in float32.
+
+    x is viewed as 2-D, leading dimensions flattened into rows (a 1-D x is one row). block: (rows, columns) of a
+    block; None means (1, 128) for scale="fp32" (DeepSeek-V3's activation/gradient tiles; pass (128, 128) for
+    weights) and (1, 32) for scale="pow2" (MX). A shape that the block does not divide is zero-padded internally:
+    the ragged last blocks get their own scales from their real elements.
+
+    scale: "fp32" for s = amax / max_finite in float32, or "pow2" for the MX v1.0 E8M0 scale
+    s = 2**(floor(log2(amax)) - emax), clamped below at 2**-127 as E8M0 is. A block of zeros (or one whose fp32
+    scale underflows to 0) gets s = 1; a block with a NaN or inf gets s = NaN and comes back all NaN.
+
+    Returns float32 with x's shape: the values the emulated GEMM multiplies, with no second rounding to x.dtype
+    (element * fp32 scale is in general not a bf16 number). With return_scales=True, also the float32 scales,
+    shape (ceil(rows / block rows), ceil(columns / block columns)).
+    """
+    f = _get_format("quantize_blocks", fmt)
+    if scale not in ("fp32", "pow2"):
+        raise ValueError(f"quantize_blocks: scale must be 'fp32' or 'pow2', got {scale!r}")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
+        raise TypeError(
+            f"quantize_blocks: x must be a floating-point tensor with at least 1 dimension, got "
+            f"{getattr(x, 'dtype', type(x))} with shape {tuple(getattr(x, 'shape', ()))}"
+        )
+    if block is None:
+        block = (1, 128) if scale == "fp32" else (1, 32)
+    br, bc = _check_block(block)
+
+    rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
+    x2 = x.to(torch.float32).reshape(rows, cols)
+    n_r, n_c = -(-rows // br), -(-cols // bc)
+    if (n_r * br, n_c * bc) != (rows, cols):
+        # Zeros do not change a block's amax, so the ragged blocks are scaled by their real elements only.
+        x2 = F.pad(x2, (0, n_c * bc - cols, 0, n_r * br - rows))
+    blocks = x2.view(n_r, br, n_c, bc)
+
+    if blocks.numel() == 0:
+        amax = blocks.new_zeros(n_r, n_c)
+    else:
+        # amax/amin propagate NaN, and avoid the full-size temporary that abs() would allocate.
+        amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())
+    if scale == "fp32":
+        s = amax / f.max_finite
+    else:
+        # frexp: amax = m * 2**k with m in [0.5, 1), so floor(log2(amax)) = k - 1 exactly (torch.log2 can round a
+        # value just below a power of two up to it). The power of two is built from float64 bits: exact, and
+        # 2**-127 is a float32 subnormal that exp2 implementations need not hit exactly.
+        exp = (torch.frexp(amax).exponent.to(torch.int64) - 1 - f.emax).clamp_(min=-127)
+        s = ((exp + 1023) << 52).view(torch.float64).to(torch.float32)
+    s = torch.where((amax == 0) | (s == 0), 1.0, s)
+    s = torch.where(torch.isfinite(amax), s, math.nan)
+
+    s4 = s.view(n_r, 1, n_c, 1)
+    # An inf only reaches the rounding divided by its block's NaN scale, so no inf needs putting back here.
+    y = _round_(blocks / s4, f).mul_(s4).view(n_r * br, n_c * bc)
+    y = y[:rows, :cols].reshape(x.shape)
+    return (y, s) if return_scales else y
