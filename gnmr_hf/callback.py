@@ -148,6 +148,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
                     "GNMRCallback: the Trainer has more than one GNMRCallback; one callback manages all units "
                     "(narrow them with include/exclude/module_filter_fn instead)"
                 )
+        _refuse_deepspeed(args)
         # Start from a clean model: a run interrupted by an exception or Ctrl-C skipped on_train_end and left its
         # units live (forward wrappers, hooks, recovery weights), this callback's or a callback the Trainer has
         # since replaced (restore_callback_states_from_checkpoint).
@@ -178,12 +179,12 @@ class GNMRCallback(TrainerCallback, ExportableState):
         """Everything after unit discovery: signals, controller, restored state, hooks, recovery set, trace."""
         cfg = self.config
         names = [u.name for u in self.units]
-        self.signals = UnitSignals(self.units)
+        self.signals = UnitSignals(self.units, dp_group=_data_parallel_group())
         self.controller = GNMRController(cfg, len(self.units), device=self.signals.device)
         self.summary = TraceSummary(unit_names=names)
         self._restore(state, names)
         self._gradient_state = _gradient_state()
-        self._scaler = _loss_scaler(args, optimizer)
+        self._scaler = _loss_scaler(optimizer)
         self._adapters = active_adapters(self._model)
         self._warmup_check_step = self.controller.step if self.controller.step >= cfg.min_history + cfg.window else 0
         self._install_capture_hooks()
@@ -479,7 +480,27 @@ def _unit_kinds(units: list[RecoverableUnit]) -> dict[str, dict[str, int]]:
     return {key: dict(counts.most_common()) for key, counts in kinds.items()}
 
 
-def _loss_scaler(args: Any, optimizer: Any) -> Any:
+def _refuse_deepspeed(args: Any) -> None:
+    """DeepSpeed ZeRO partitions gradients inside its engine: after its reduction a parameter's `.grad` may be
+    None or a stale buffer, so every unit would read as missing (or wrong) with no error. Refuse it clearly."""
+    if getattr(args, "deepspeed", None) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        raise ValueError(
+            "GNMRCallback: DeepSpeed is not supported: ZeRO keeps gradients inside its engine, where GNMR cannot "
+            "read each unit's norm (its .grad is None or partial after the reduction). Use FSDP2 (accelerate "
+            "launch with an FSDP config, fsdp_version: 2) or DDP, whose gradients GNMR reads exactly"
+        )
+
+
+def _data_parallel_group() -> Any:
+    """The group over which ranks train on different data (all of them under the Trainer's DDP or FSDP), or None
+    in one process. Output-gradient meters are summed over it so that every rank decides the same."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_world_size() > 1:
+            return torch.distributed.group.WORLD
+    return None
+
+
+def _loss_scaler(optimizer: Any) -> Any:
     """The optimizer's fp16 loss scaler (accelerate's `AcceleratedOptimizer.scaler`), if one is active.
 
     Found on the optimizer rather than from `args.fp16`, because fp16 can also come from `accelerate launch
@@ -487,15 +508,7 @@ def _loss_scaler(args: Any, optimizer: Any) -> Any:
     `args.fp16` is False), and on a CPU accelerate runs fp16 without a scaler.
     """
     scaler = getattr(optimizer, "scaler", None)
-    if scaler is not None and scaler.is_enabled():
-        return scaler
-    precision = getattr(args, "mixed_precision", "no")
-    if (getattr(args, "fp16", False) or precision == "fp16") and getattr(args, "deepspeed", None):
-        raise ValueError(
-            "GNMRCallback: fp16 under DeepSpeed scales the loss inside the engine, where GNMR cannot read the scale "
-            "and would read its changes as spikes; use bf16 with DeepSpeed, or fp16 with DDP/FSDP"
-        )
-    return None
+    return scaler if scaler is not None and scaler.is_enabled() else None
 
 
 def _loss_scale(scaler: Any) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Worker for tests/test_distributed.py: the Trainer with GNMRCallback under DDP, 2 CPU processes with gloo.
+
+    accelerate launch --multi_gpu --num_processes 2 --main_process_ip 127.0.0.1 --main_process_port PORT \\
+        tests/workers/ddp_worker.py MODEL_DIR OUT_DIR
+
+An 8-bit LoRA tiny LLaMA, gradient accumulation 2, and a x100 spike in rank 0's *local* gradient only (a hook
+that fires on rank 0 alone), trained twice. `lora`: LoRA on every projection, units scored on their LoRA
+gradients (averaged by DDP). `meters`: LoRA on q_proj/v_proj only, so most units are scored on their output
+gradient, which each rank meters on its own data and GNMR sums across ranks. Each rank writes the norms it read
+and its decisions, step by step, to OUT_DIR/{mode}_rank{R}.json; the test compares the ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def run(model_dir: str, out_dir: str, mode: str) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from gnmr_hf import GNMRCallback, GNMRConfig
+    from gnmr_hf.demo import byte_dataset
+    from gnmr_hf.tiny import load_int8_lora, write_local_text
+
+    rank = int(os.environ["RANK"])
+    targets = ["q_proj", "v_proj"] if mode == "meters" else None
+    model = load_int8_lora(model_dir, target_modules=targets)
+    if mode == "meters":
+        model.enable_input_require_grads()
+    data = byte_dataset(write_local_text(os.path.join(out_dir, f"train{rank}.txt"), lines=64))
+    spiked = "model.layers.1.self_attn.v_proj" if mode == "meters" else "model.layers.1.mlp.down_proj"
+    gnmr = GNMRCallback(GNMRConfig(max_active=2, lock_steps=2, window=2, min_history=2, alpha=3.0, beta=3.0))
+
+    class LocalSpike(TrainerCallback):
+        """x100 on the spiked LoRA gradients of rank 0's micro-batches during optimizer step 6, before DDP averages."""
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            for name, p in model.named_parameters():
+                if p.requires_grad and spiked in name:
+                    p.register_hook(lambda g: g * 100.0 if self.armed and rank == 0 else g)
+            self.armed = False
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.armed = state.global_step + 1 == 6
+
+    records = []
+
+    class Record(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            norms, missing = gnmr._pending
+            records.append({"step": state.global_step + 1, "norms": norms.tolist(), "missing": missing.tolist()})
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            d = gnmr.last_decision
+            records[-1].update(active=d.active.tolist(), entered=d.entered.tolist(), risky=d.risky.tolist())
+
+    args = TrainingArguments(
+        output_dir=os.path.join(out_dir, mode),
+        use_cpu=True,
+        max_steps=10,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        logging_steps=100,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[gnmr, LocalSpike(), Record()])
+    trainer.train()
+    assert torch.distributed.get_world_size() == 2
+    with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
+        json.dump(
+            {"names": [u.name for u in gnmr.units], "signals": [u.signal for u in gnmr.units], "records": records}, f
+        )
+
+
+def main() -> None:
+    model_dir, out_dir = sys.argv[1:3]
+    for mode in ("lora", "meters"):
+        run(model_dir, out_dir, mode)
+
+
+if __name__ == "__main__":
+    main()

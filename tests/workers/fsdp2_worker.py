@@ -1,0 +1,148 @@
+"""Worker for tests/test_distributed.py: GNMR on an FSDP2-sharded model, 2 CPU processes with gloo.
+
+    torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT tests/workers/fsdp2_worker.py OUT_DIR
+
+accelerate selects FSDP only for accelerator devices (on a CPU it stays MULTI_CPU and runs DDP, silently ignoring
+an FSDP config; see docs/reliability.md), so the Trainer cannot run FSDP here. This worker therefore drives the
+callback's own machinery in a plain training loop over a model sharded with `fully_shard`: `GNMRCallback` finds
+the units (a precision backend on full-precision weights, registered here from outside the package), reads the
+norms at the end of each backward pass (after FSDP2's reduce-scatter) and decides. Each rank writes, per step, the
+norms GNMR read, the reference norms from DTensor's own `full_tensor()`, and the decision.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gnmr_hf import BackendOptions, GNMRCallback, GNMRConfig, register_backend
+    from gnmr_hf.backends.adapters import resolve_signal
+    from gnmr_hf.backends.switch import SwitchedUnit
+    from gnmr_hf.units import display_name
+
+    @dataclass
+    class CastOptions(BackendOptions):
+        backend: ClassVar[str] = "bf16_cast"
+        low_dtype: str = "bfloat16"
+
+    class CastUnit(SwitchedUnit):
+        """An nn.Linear computed in bfloat16 on the cheap path and in float32 in recovery."""
+
+        def cheap_forward(self, x):
+            w, b = self.module.weight, self.module.bias
+            out = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16), None if b is None else b.to(torch.bfloat16))
+            return out.to(x.dtype)
+
+        def recovery_forward(self, x):
+            return F.linear(x, self.module.weight, self.module.bias)
+
+        def _enter(self) -> int:
+            return 0
+
+        def recovery_bytes(self) -> int:
+            return 0
+
+    def dispatch(module, fqn, ctx):
+        if not isinstance(module, nn.Linear) or fqn.endswith("lm_head"):
+            return None
+        name = display_name(fqn)
+        signal = resolve_signal("weight", name, module, None, "bf16_cast")
+        return CastUnit(name, module, ledger=ctx.ledger, signal=signal, backend="bf16_cast")
+
+    register_backend("bf16_cast", dispatch, options=CastOptions)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    callback = GNMRCallback(
+        GNMRConfig(
+            max_active=2,
+            lock_steps=2,
+            window=2,
+            min_history=2,
+            alpha=3.0,
+            beta=3.0,
+            backend="bf16_cast",
+            trace_file="",
+        )
+    )
+    args = SimpleNamespace(output_dir=out_dir)
+    state = SimpleNamespace(global_step=0, is_world_process_zero=rank == 0, stateful_callbacks={})
+    callback.on_train_begin(args, state, None, model=model, optimizer=optimizer)
+    sharded = callback.signals.sharded
+    # A spike in rank 0's local gradient only: its down_proj output gradient x50 at step 6. Under data parallelism
+    # the reduced gradient carries it to both ranks, which must then decide the same.
+    spike = {"on": False}
+
+    def scale_output_grad(module, args, output):
+        if spike["on"] and rank == 0:
+            output.register_hook(lambda grad: grad * 50.0)
+
+    model.model.layers[1].mlp.down_proj.register_forward_hook(scale_output_grad)
+    records = []
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data, as under data parallelism
+    for step in range(1, 9):
+        x = torch.randint(0, 256, (4, 16), generator=g)
+        spike["on"] = step == 6
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        norms, missing = callback._pending
+        reference = []
+        for unit in callback.units:
+            full = [t.grad.full_tensor() if hasattr(t.grad, "full_tensor") else t.grad for t in unit.signal_tensors()]
+            reference.append(float(torch.sqrt(sum(f.float().square().sum() for f in full))))
+        callback.on_optimizer_step(args, state, None, optimizer=optimizer)
+        d = callback.last_decision
+        optimizer.step()
+        optimizer.zero_grad()
+        state.global_step += 1
+        records.append(
+            {
+                "step": step,
+                "norms": norms.tolist(),
+                "reference": reference,
+                "missing": missing.tolist(),
+                "active": d.active.tolist(),
+                "entered": d.entered.tolist(),
+                "risky": d.risky.tolist(),
+            }
+        )
+    callback.close()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"sharded": sharded, "names": [u.name for u in callback.units], "records": records}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
