@@ -25,6 +25,7 @@ from .units import (
     OutputGradMeter,
     RecoverableUnit,
     RecoveryLedger,
+    apply_decision,
     find_units,
     register_backend,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "RecoveryLedger",
     "UnitSignals",
     "__version__",
+    "apply_decision",
     "find_units",
     "register_backend",
 ]

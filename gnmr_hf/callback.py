@@ -62,7 +62,7 @@ from .config import GNMRConfig
 from .controller import GNMRController, HostDecision
 from .signals import UnitSignals
 from .trace import TraceSummary, TraceWriter, set_aside
-from .units import RecoverableUnit, close_live_units, find_units, unwrap_model
+from .units import RecoverableUnit, apply_decision, close_live_units, find_units, unwrap_model
 
 __all__ = ["GNMRCallback"]
 
@@ -244,11 +244,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 self._trace.write_skip(step, "fp16 loss scaler skipped the step (inf/NaN gradients)")
             return
         if not cfg.monitor_only:
-            # Exits before entries: the number of live recovery weights never exceeds max_active.
-            for i in decision.exited:
-                self.units[i].exit_recovery()
-            for i in decision.entered:
-                self.units[i].enter_recovery()
+            apply_decision(self.units, decision.exited, decision.entered)
         self.last_decision = decision
         self.summary.add(decision.active, decision.entered, decision.exited, decision.risky)
         self._accumulate(decision)

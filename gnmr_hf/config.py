@@ -125,6 +125,12 @@ class GNMRConfig:
                     f"GNMRConfig.schedule_steps must be >= 1 with threshold_schedule="
                     f"{self.threshold_schedule!r}, got {self.schedule_steps}"
                 )
+        if not isinstance(self.monitor_only, bool):
+            raise TypeError(f"GNMRConfig.monitor_only must be True or False, got {self.monitor_only!r}")
+        if not isinstance(self.trace_file, str):
+            raise TypeError(
+                f"GNMRConfig.trace_file must be a file name (a str; '' writes no trace), got {self.trace_file!r}"
+            )
         for name in ("include", "exclude"):
             value = getattr(self, name)
             if value is None:

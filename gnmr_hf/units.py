@@ -45,6 +45,7 @@ __all__ = [
     "OutputGradMeter",
     "RecoverableUnit",
     "RecoveryLedger",
+    "apply_decision",
     "display_name",
     "find_units",
     "get_backend",
@@ -462,6 +463,19 @@ def find_units(
         raise
     _LIVE_UNITS.update(units)
     return units
+
+
+def apply_decision(units: Sequence[RecoverableUnit], exited: Iterable[int], entered: Iterable[int]) -> None:
+    """Apply a decision to the units: the `exited` ones leave recovery first, then the `entered` ones enter.
+
+    In that order the number of units holding a recovery path never exceeds the budget, not even halfway through
+    a step that swaps one unit for another, so `max_active` x the largest unit bounds the extra memory at every
+    moment (entries first would briefly hold one unit more per swap).
+    """
+    for i in exited:
+        units[i].exit_recovery()
+    for i in entered:
+        units[i].enter_recovery()
 
 
 def close_live_units(model: nn.Module) -> int:

@@ -50,6 +50,9 @@ INVALID = [
     ({"include": "q_proj"}, TypeError, "include"),
     ({"include": ["q_proj", 3]}, TypeError, "include"),
     ({"exclude": ["("]}, ValueError, "exclude"),
+    ({"monitor_only": "yes"}, TypeError, "monitor_only"),
+    ({"monitor_only": 1}, TypeError, "monitor_only"),
+    ({"trace_file": None}, TypeError, "trace_file"),
 ]
 
 
