@@ -38,7 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {"report": _report, "demo": None}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: gnmr-hf {demo,report} [options]\n")
-        print("  demo    run the tiny offline GNMR LoRA fine-tune (INT8 <-> BF16) and print its report")
+        print("  demo    run the tiny offline GNMR LoRA fine-tune (INT8 <-> BF16; --backend bnb_4bit: NF4 <-> BF16)")
+        print("          and print its report")
         print("  report  summarize a GNMR decision trace and write its plots")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "demo":

@@ -1,9 +1,11 @@
-"""The main job: a tiny GNMR LoRA fine-tune of an 8-bit LLaMA on CPU, offline, end to end.
+"""The main job: a tiny GNMR LoRA fine-tune of an 8-bit (or 4-bit) LLaMA on CPU, offline, end to end.
 
-    gnmr-hf demo --output_dir runs/demo
+    gnmr-hf demo --output_dir runs/demo                       # INT8 <-> BF16 (bnb_int8)
+    gnmr-hf demo --output_dir runs/demo4 --backend bnb_4bit   # NF4 (QLoRA) <-> BF16
 
 1. builds a tiny LLaMA from a config and saves it as safetensors (the "original checkpoint");
-2. reloads it with `BitsAndBytesConfig(load_in_8bit=True)` and wraps it in a peft LoRA;
+2. reloads it with `BitsAndBytesConfig(load_in_8bit=True)`, or `load_in_4bit=True` (NF4) for `--backend
+   bnb_4bit`, and wraps it in a peft LoRA;
 3. writes a small local text corpus and loads it with `datasets.load_dataset("text", ...)`, byte-tokenized;
 4. trains with the transformers Trainer (`use_cpu=True`) and `GNMRCallback`;
 5. prints the GNMR summary and writes the decision trace and its plots to `output_dir`.
@@ -24,12 +26,15 @@ import torch
 from transformers import TrainerCallback
 
 from .config import GNMRConfig
-from .tiny import build_tiny_llama, load_int8_lora, write_local_text
+from .tiny import build_tiny_llama, load_4bit_lora, load_int8_lora, write_local_text
 from .units import display_name
 
-__all__ = ["GradientSpikeCallback", "byte_dataset", "main", "run_demo"]
+__all__ = ["DEMO_LOADERS", "GradientSpikeCallback", "byte_dataset", "main", "run_demo"]
 
 logger = logging.getLogger("gnmr_hf")
+
+# The demo's backends and the loader that makes a model of their kind (`--backend`, i.e. `GNMRConfig.backend`).
+DEMO_LOADERS = {"bnb_int8": load_int8_lora, "bnb_4bit": load_4bit_lora}
 
 
 class GradientSpikeCallback(TrainerCallback):
@@ -98,18 +103,21 @@ def run_demo(
     plots: bool = True,
     extra_callbacks: Sequence[TrainerCallback] = (),
 ) -> dict[str, Any]:
-    """Run the demo and return {"trainer", "callback", "summary", "plots", "trace"}."""
+    """Run the demo and return {"trainer", "callback", "summary", "plots", "trace"}. The model is loaded for
+    `gnmr.backend` (one of `DEMO_LOADERS`)."""
     from transformers import Trainer, TrainingArguments
 
     from .callback import GNMRCallback
     from .report import report
 
+    gnmr = gnmr or GNMRConfig(max_active=2, lock_steps=4, window=4, min_history=4, alpha=3.0, beta=3.0)
+    if gnmr.backend not in DEMO_LOADERS:
+        raise ValueError(f"gnmr-hf demo: --backend must be one of {list(DEMO_LOADERS)}, got {gnmr.backend!r}")
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     base = build_tiny_llama(output_dir / "base_model", seed=seed)
-    model = load_int8_lora(base, seed=seed)
+    model = DEMO_LOADERS[gnmr.backend](base, seed=seed)
     data = byte_dataset(write_local_text(output_dir / "train.txt", seed=seed))
-    gnmr = gnmr or GNMRConfig(max_active=2, lock_steps=4, window=4, min_history=4, alpha=3.0, beta=3.0)
     callback = GNMRCallback(gnmr)
     callbacks: list[TrainerCallback] = [callback, *extra_callbacks]
     if spike_step > 0:
@@ -137,7 +145,13 @@ def run_demo(
 def main(argv: Sequence[str] | None = None) -> int:
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser(GNMRConfig, prog="gnmr-hf demo", description=__doc__.split("\n\n")[0])
+    parser = HfArgumentParser(
+        GNMRConfig,
+        prog="gnmr-hf demo",
+        description=__doc__.split("\n\n")[0],
+        epilog=f"--backend picks the model's quantization and the GNMR backend together: one of {list(DEMO_LOADERS)} "
+        "(default bnb_int8).",
+    )
     parser.add_argument("--output_dir", default="runs/demo", help="Where the model, trace, plots go.")
     parser.add_argument("--max_steps", type=int, default=40)
     parser.add_argument("--spike_step", type=int, default=20, help="Optimizer step of the injected spike (0 = none).")
@@ -147,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     defaults = dict(max_active=2, lock_steps=4, window=4, min_history=4)
     parser.set_defaults(**defaults)
     (gnmr, extra) = parser.parse_args_into_dataclasses(args=argv)
+    if gnmr.backend not in DEMO_LOADERS:
+        parser.error(f"--backend must be one of {list(DEMO_LOADERS)} for the demo, got {gnmr.backend!r}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = run_demo(
         extra.output_dir,

@@ -1,8 +1,8 @@
 """A tiny LLaMA and local text, built from nothing, for the offline demo, the tests and the benchmarks.
 
 Nothing here touches the network: the model comes from a config with a fixed seed and is saved as real
-safetensors, so the real loading path (`from_pretrained` with `BitsAndBytesConfig(load_in_8bit=True)`) runs on
-it exactly as on a downloaded checkpoint.
+safetensors, so the real loading path (`from_pretrained` with `BitsAndBytesConfig(load_in_8bit=True)` or
+`BitsAndBytesConfig(load_in_4bit=True, ...)`) runs on it exactly as on a downloaded checkpoint.
 """
 
 from __future__ import annotations
@@ -11,7 +11,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TINY_LLAMA", "build_tiny_llama", "char_tokenizer", "load_int8_lora", "write_local_text"]
+__all__ = [
+    "TINY_LLAMA",
+    "build_tiny_llama",
+    "char_tokenizer",
+    "load_4bit_lora",
+    "load_int8_lora",
+    "write_instruction_data",
+    "write_local_text",
+]
 
 TINY_LLAMA = dict(
     vocab_size=256,
@@ -37,12 +45,35 @@ def build_tiny_llama(path: str | Path, seed: int = 0, **overrides: int) -> Path:
 
 def load_int8_lora(path: str | Path, *, r: int = 4, target_modules: list[str] | None = None, seed: int = 0):
     """Load `path` in 8-bit with bitsandbytes (on CPU) and wrap it in a peft LoRA for causal LM."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu"
+    return _load_lora(path, BitsAndBytesConfig(load_in_8bit=True), r=r, target_modules=target_modules, seed=seed)
+
+
+def load_4bit_lora(
+    path: str | Path,
+    *,
+    quant_type: str = "nf4",
+    double_quant: bool = False,
+    r: int = 4,
+    target_modules: list[str] | None = None,
+    seed: int = 0,
+):
+    """Load `path` in 4-bit with bitsandbytes (QLoRA: `quant_type` "nf4" or "fp4", `double_quant` to quantize the
+    block scales too; on CPU) and wrap it in a peft LoRA for causal LM."""
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double_quant
     )
+    return _load_lora(path, config, r=r, target_modules=target_modules, seed=seed)
+
+
+def _load_lora(path: str | Path, quantization_config, *, r: int, target_modules: list[str] | None, seed: int):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=quantization_config, device_map="cpu")
     torch.manual_seed(seed)
     lora = LoraConfig(
         r=r,
@@ -67,6 +98,48 @@ def write_local_text(path: str | Path, lines: int = 256, seed: int = 0) -> Path:
         for _ in range(lines):
             words = [rng.choice(subjects), rng.choice(verbs), rng.choice(objects)]
             f.write(" ".join(words) + ".\n")
+    return path
+
+
+def write_instruction_data(path: str | Path, examples: int = 256, seed: int = 0) -> Path:
+    """Write a small instruction set in the Alpaca schema (`instruction`, `input`, `output`) as JSONL to `path`.
+
+    The items are generated here from a seed (arithmetic, comparisons, word games: all printable ASCII, so the
+    character tokenizer reads them), not copied from any dataset. They give the fine-tune recipes' tiny preset a
+    real instruction format, with and without an `input`, and answers short enough that the loss moves in a few
+    dozen steps.
+    """
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = ["model", "layer", "budget", "gradient", "window", "signal", "adapter", "tensor", "update", "norm"]
+
+    def item() -> tuple[str, str, str]:
+        kind = rng.randrange(6)
+        a, b, word = rng.randrange(1, 50), rng.randrange(1, 50), rng.choice(words)
+        if kind == 0:
+            return f"Add {a} and {b}.", "", str(a + b)
+        if kind == 1:
+            return f"Which number is larger, {a} or {b}?", "", str(max(a, b))
+        if kind == 2:
+            return "Reverse the word.", word, word[::-1]
+        if kind == 3:
+            return "Write the word in capital letters.", word, word.upper()
+        if kind == 4:
+            return f"How many letters are in the word {word}?", "", str(len(word))
+        numbers = rng.sample(range(1, 30), 3)
+        return (
+            "Sort the numbers from smallest to largest.",
+            ", ".join(map(str, numbers)),
+            ", ".join(map(str, sorted(numbers))),
+        )
+
+    path = Path(path)
+    with path.open("w") as f:
+        for _ in range(examples):
+            instruction, input_text, output = item()
+            f.write(json.dumps({"instruction": instruction, "input": input_text, "output": output}) + "\n")
     return path
 
 

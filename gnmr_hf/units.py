@@ -55,7 +55,11 @@ __all__ = [
 logger = logging.getLogger("gnmr_hf")
 
 # Built-in backends are imported only when asked for, so that `import gnmr_hf` never imports bitsandbytes.
-_BUILTIN_BACKENDS: dict[str, str] = {"bnb_int8": "gnmr_hf.backends.bnb:BNB_INT8"}
+_BUILTIN_BACKENDS: dict[str, str] = {
+    "bnb_int8": "gnmr_hf.backends.bnb:BNB_INT8",
+    "bnb_4bit": "gnmr_hf.backends.bnb:BNB_4BIT",
+    "torchao_float8": "gnmr_hf.backends.torchao:TORCHAO_FLOAT8",
+}
 _CUSTOM_BACKENDS: dict[str, Backend] = {}
 # Every unit `find_units` made and nobody closed yet, so that a run interrupted before it could close its units
 # (an exception, Ctrl-C) can be cleaned up by the next one: see `close_live_units`.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from gnmr_hf.cli import main
 from gnmr_hf.trace import read_trace
 
@@ -34,3 +36,22 @@ def test_demo_command_trains_catches_the_injected_spike_and_writes_its_report(tm
         assert (out / name).is_file(), name
     printed = capsys.readouterr().out
     assert f"plot:  {out / 'gnmr_recovery.png'}" in printed
+
+
+def test_demo_backend_flag_runs_the_demo_in_4bit(tmp_path):
+    out = tmp_path / "demo4"
+    argv = ["demo", "--output_dir", str(out), "--backend", "bnb_4bit", "--max_steps", "8", "--spike_step", "6"]
+    assert main([*argv, "--min_history", "3", "--window", "3", "--lock_steps", "2"]) == 0
+    header, steps = read_trace(out / "gnmr_trace.jsonl")
+    assert header["config"]["backend"] == "bnb_4bit"
+    assert header["units"].index("model.layers.1.mlp.down_proj") in steps[5]["entered"]
+
+
+def test_demo_refuses_a_backend_it_has_no_model_for(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--output_dir", str(tmp_path), "--backend", "torchao_float8"])
+    assert exit_info.value.code == 2
+    assert (
+        "--backend must be one of ['bnb_int8', 'bnb_4bit'] for the demo, got 'torchao_float8'"
+        in capsys.readouterr().err
+    )

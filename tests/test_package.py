@@ -10,11 +10,25 @@ import pytest
 import gnmr_hf
 from gnmr_hf import GNMRCallback, GNMRConfig
 
-HEAVY = ("transformers", "bitsandbytes", "peft", "lm_eval", "matplotlib", "accelerate")
+HEAVY = ("transformers", "bitsandbytes", "peft", "lm_eval", "matplotlib", "accelerate", "torchao")
 
 
 def test_import_gnmr_hf_imports_no_optional_or_trainer_dependency():
     code = f"import sys, gnmr_hf; print([m for m in {HEAVY!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_configuring_and_importing_the_optional_backends_imports_neither_torchao_nor_bitsandbytes():
+    code = (
+        "import sys, gnmr_hf; from gnmr_hf.units import get_backend; "
+        "import gnmr_hf.backends.torchao as t, gnmr_hf.backends.bnb as b; "
+        "[get_backend(n).parse_options('signal=auto') for n in ('bnb_int8', 'bnb_4bit', 'torchao_float8')]; "
+        "gnmr_hf.GNMRConfig(backend='torchao_float8', backend_options='signal=weight'); "
+        "gnmr_hf.GNMRConfig(backend='bnb_4bit', backend_options='source=dequantize'); "
+        "assert t.is_torchao_available() and b.is_bnb_available(); "
+        "print([m for m in ('torchao', 'bitsandbytes', 'peft', 'transformers') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
