@@ -28,6 +28,7 @@ user's folders come after it, so they can override a task by name, as with lm-ev
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -132,6 +133,8 @@ class ModelSource:
     base: str
     adapter: str | None
     tokenizer: str
+    # What a fine-tune's gnmr_run.json says the base was trained in (its int8 and gnmr arms load it in 8-bit).
+    load_in_8bit: bool = False
 
 
 def resolve_model_source(
@@ -169,7 +172,8 @@ def resolve_model_source(
         if run_adapter is not None and adapter is not None:
             raise ValueError(f"adapter={str(adapter)!r} given, but {run_file} already names adapter={run_adapter!r}")
         chosen = adapter if adapter is not None else (path / run_adapter if run_adapter is not None else path)
-        return _with_adapter(str(spec["base_model"]), _checked_adapter(chosen))
+        source = _with_adapter(str(spec["base_model"]), _checked_adapter(chosen))
+        return dataclasses.replace(source, load_in_8bit=bool(spec.get("load_in_8bit", False)))
 
     adapter_config = path / "adapter_config.json"
     if adapter_config.is_file():
@@ -230,7 +234,12 @@ def load_model(source: ModelSource, *, load_in_8bit: bool = False, device: str =
 
     kwargs: dict[str, Any] = {"dtype": "auto", "device_map": device}
     if load_in_8bit:
+        import torch
+
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        # bitsandbytes' 8-bit matmul computes in fp16: a base in another dtype (a checkpoint saved in fp32) would
+        # have its inputs cast on every call, with a warning each time.
+        kwargs["dtype"] = torch.float16
     try:
         model = AutoModelForCausalLM.from_pretrained(source.base, **kwargs)
     except OSError as err:
@@ -251,7 +260,7 @@ def evaluate_model(
     *,
     tokenizer: Any = None,
     adapter: str | os.PathLike[str] | None = None,
-    load_in_8bit: bool = False,
+    load_in_8bit: bool | None = None,
     tasks: str | Sequence[str] = DEFAULT_TASKS,
     num_fewshot: int | None = None,
     limit: int | float | None = None,
@@ -269,7 +278,8 @@ def evaluate_model(
         model: a transformers/peft model in memory (give its `tokenizer`, or HFLM loads the one named by the model),
             or a model folder, Hub name, peft adapter folder or fine-tune output_dir (see `resolve_model_source`).
         adapter: a peft adapter folder to apply on top of `model`.
-        load_in_8bit: load the base in 8-bit with bitsandbytes (only for a `model` given as a path or name).
+        load_in_8bit: load the base in 8-bit with bitsandbytes (only for a `model` given as a path or name);
+            None: as the fine-tune's gnmr_run.json says (False without one).
         tasks: lm-eval task names, as a list or comma-separated; `mmlu` and `hellaswag` become their local
             look-alikes when offline. Each task runs with its own default shots (`DEFAULT_NUM_FEWSHOT`) unless
             `num_fewshot` is given, which then applies to every task but the perplexity one (it has no prompt).
@@ -295,6 +305,7 @@ def evaluate_model(
     source = None
     if isinstance(model, (str, os.PathLike)) or model is None:
         source = resolve_model_source(model, adapter)
+        load_in_8bit = source.load_in_8bit if load_in_8bit is None else load_in_8bit
     elif adapter is not None or load_in_8bit:
         raise ValueError(
             "adapter and load_in_8bit apply to a model given as a path or name; for a model in memory, quantize "
@@ -342,7 +353,7 @@ def evaluate_model(
     merged["metadata"] = {
         "model": source.base if source else getattr(hf_model, "name_or_path", type(hf_model).__name__),
         "adapter": source.adapter if source else None,
-        "load_in_8bit": load_in_8bit,
+        "load_in_8bit": bool(load_in_8bit),
         "tasks_requested": task_list,
         "tasks_run": list(plan.values()),
         "task_map": plan,
@@ -516,7 +527,10 @@ def compare_results(
         for task in arm["metadata"]["tasks_run"]:
             for key, value in arm["results"].get(task, {}).items():
                 metric, _, filt = key.partition(",")
-                if metric.endswith("_stderr") or not isinstance(value, (int, float)) or isinstance(value, bool):
+                # sample_len is how many documents were scored, not a metric.
+                if metric.endswith("_stderr") or metric == "sample_len":
+                    continue
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
                     continue
                 stderr = arm["results"][task].get(f"{metric}_stderr,{filt}")
                 row = rows.setdefault((task, key), {})

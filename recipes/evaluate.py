@@ -31,7 +31,12 @@ class EvaluateArguments:
         default=None, metadata={"help": "Model folder, Hub name, peft adapter folder or fine-tune output_dir."}
     )
     adapter: str | None = field(default=None, metadata={"help": "A peft adapter folder to apply on top of --model."})
-    load_in_8bit: bool = field(default=False, metadata={"help": "Load the base model in 8-bit with bitsandbytes."})
+    load_in_8bit: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Load the base model in 8-bit with bitsandbytes (default: as a fine-tune's gnmr_run.json says)."
+        },
+    )
     tasks: str = field(default="mmlu,hellaswag", metadata={"help": "Comma-separated lm-eval task names."})
     num_fewshot: int | None = field(
         default=None, metadata={"help": "Shots for every task (default: MMLU 5, HellaSwag 0, others their own)."}

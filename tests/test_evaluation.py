@@ -266,6 +266,11 @@ def test_model_sources_of_a_finetune_output_dir(tiny_dir, adapter_run, tmp_path)
     (tmp_path / RUN_FILE).write_text(json.dumps({"base_model": str(tiny_dir), "adapter": str(adapter_run)}))
     assert resolve_model_source(tmp_path) == source
     assert resolve_model_source(str(tiny_dir)).adapter is None
+    # The recipe's int8 and gnmr arms record that they trained on an 8-bit base; evaluation loads it so.
+    (tmp_path / RUN_FILE).write_text(
+        json.dumps({"base_model": str(tiny_dir), "adapter": str(adapter_run), "load_in_8bit": True})
+    )
+    assert resolve_model_source(tmp_path).load_in_8bit and not source.load_in_8bit
     # A fine-tune that saved its tokenizer beside the adapter (it may have added tokens) is read with that one.
     with_tokenizer = tmp_path / "with_tokenizer"
     with_tokenizer.mkdir()
@@ -311,6 +316,7 @@ def test_comparison_table_of_three_arms(baseline, tmp_path):
     for shift, name in enumerate(("int8", "gnmr", "bf16")):
         arm = copy.deepcopy(baseline)
         arm["results"]["gnmr_mmlu_local"]["acc,none"] = 0.25 * shift
+        arm["results"]["gnmr_mmlu_local"]["sample_len,none"] = 24  # as lm-eval reports for rolling tasks
         arms[name] = write_results(arm, tmp_path / name).parent
     table = compare_results(list(arms.values()), tmp_path / "compare")
     assert table["arms"] == ["int8", "gnmr", "bf16"] and table["differ_in"] == []
@@ -319,6 +325,7 @@ def test_comparison_table_of_three_arms(baseline, tmp_path):
     markdown = (tmp_path / "compare" / "comparison.md").read_text()
     assert markdown.splitlines()[0] == "| task | metric | int8 | gnmr | bf16 |"
     assert "| gnmr_hellaswag_local | acc_norm,none |" in markdown
+    assert not any(row["metric"].startswith("sample_len") for row in table["rows"])  # a count, not a metric
 
     other = copy.deepcopy(baseline)
     other["metadata"]["limit"] = 100
