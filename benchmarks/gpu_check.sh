@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# bash benchmarks/gpu_check.sh [OUT]                      (default runs/gpu_check; one CUDA GPU, under 5 minutes)
+#
+# GNMR on a GPU with a LLaMA of realistic shape (1.1B parameters, random weights, built and saved as safetensors
+# here, loaded in 8-bit with LoRA; nothing is downloaded): step time of plain / monitor-only / active GNMR,
+# device-to-host syncs per step, the flip latency against one host-to-device copy of the unit's BF16 weight, and
+# peak memory. What each number means: benchmarks/gpu_check.py. On a CPU, check the logic with
+#     python benchmarks/gpu_check.py --size tiny --steps 4 --out runs/gpu_check_cpu
+set -euo pipefail
+
+OUT=${1:-runs/gpu_check}
+python - <<'PY'
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit("gpu_check.sh needs a CUDA GPU; on a CPU run: python benchmarks/gpu_check.py --size tiny --out DIR")
+print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+PY
+# The model is built locally; keep every library off the network.
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# A hard stop a little under the 5 minutes this check is sized for.
+timeout 290 python benchmarks/gpu_check.py --size 1b --out "$OUT"

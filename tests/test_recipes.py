@@ -1,0 +1,272 @@
+"""recipes/finetune_13b.py: flags, prompt masking, each arm's tiny preset end to end, its output_dir evaluated, and
+two processes under `accelerate launch` taking identical GNMR decisions at every step.
+
+The arms run a smaller slice of the tiny preset (a few steps on a few dozen examples) in this process; the
+two-process test launches the recipe as users do, with the shipped CPU config (gloo, loopback, a free port).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gnmr_hf import GNMRConfig
+from gnmr_hf.evaluation import PERPLEXITY_TASK, evaluate_model, write_local_tasks
+from gnmr_hf.tiny import char_tokenizer
+from gnmr_hf.trace import read_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "finetune_13b.py"
+# A smaller slice of the tiny preset; thresholds low enough that GNMR flips units within it.
+STEPS = 4  # GNMR needs 2 steps of history and a third to decide; its flips apply from the fourth
+SLICE = ["--preset", "tiny", "--max_train_samples", "32", "--per_device_train_batch_size", "2", "--logging_steps", "2"]
+ACTIVE_GNMR = ["--alpha", "1.05", "--beta", "1.05", "--min_history", "2", "--window", "2", "--lock_steps", "2"]
+
+
+@functools.cache
+def recipe():
+    spec = importlib.util.spec_from_file_location("gnmr_finetune_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building FinetuneArguments
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_training_arguments_recipe_arguments_and_gnmr_config_share_no_flag():
+    from transformers import TrainingArguments
+
+    names = [{f.name for f in dataclasses.fields(c)} for c in (TrainingArguments, recipe().FinetuneArguments)]
+    gnmr = {f.name for f in dataclasses.fields(GNMRConfig)}
+    assert not names[0] & names[1] and not names[0] & gnmr and not names[1] & gnmr
+    recipe().build_parser()  # argparse itself refuses two flags of one name
+
+
+def test_flags_of_all_three_parse_together_over_the_preset_defaults(tmp_path):
+    training, args, gnmr = recipe().parse_args(
+        [
+            *("--preset", "tiny", "--arm", "gnmr", "--output_dir", str(tmp_path), "--learning_rate", "1e-4"),
+            *("--lora_r", "2", "--max_active", "3", "--backend_options", "source=dequantize"),
+        ]
+    )
+    assert (training.learning_rate, args.lora_r, gnmr.max_active) == (1e-4, 2, 3)
+    assert gnmr.backend_options == {"source": "dequantize"}
+    # Preset defaults under the flags given: CPU, activation checkpointing without reentrancy, GNMR thresholds.
+    assert training.use_cpu and training.activation_checkpointing
+    assert training.activation_checkpointing_kwargs == {"use_reentrant": False}
+    assert (training.max_steps, gnmr.lock_steps, gnmr.alpha, args.lora_alpha) == (20, 4, 1.5, 8)
+
+    # The 13b preset trains in bf16, which TrainingArguments refuses without a GPU unless told to use the CPU.
+    training, args, gnmr = recipe().parse_args(["--arm", "int8", "--use_cpu", "--activation_checkpointing", "False"])
+    assert args.model_name_or_path == "meta-llama/Llama-2-13b-hf" and args.dataset_name == "tatsu-lab/alpaca"
+    assert training.bf16 and not training.activation_checkpointing
+    assert training.output_dir == "runs/finetune_13b/int8"
+    assert gnmr == GNMRConfig()  # the 13b preset keeps GNMR's own defaults
+
+
+def test_a_bad_arm_name_in_python_is_an_error_that_names_the_flag_and_the_arms():
+    with pytest.raises(ValueError, match=r"--arm must be one of int8, gnmr, bf16; got 'fp8'"):
+        recipe().FinetuneArguments(arm="fp8")
+
+
+def test_a_bad_arm_name_on_the_command_line_lists_the_arms(capsys):
+    with pytest.raises(SystemExit):
+        recipe().parse_args(["--arm", "fp8"])
+    err = capsys.readouterr().err
+    assert "--arm" in err and "'fp8'" in err and all(arm in err for arm in ("int8", "gnmr", "bf16"))
+
+
+def test_flags_that_do_not_fit_are_errors_that_name_them(capsys):
+    for argv, flag in (
+        (["--arm", "int8", "--check_rank_agreement"], "--check_rank_agreement"),
+        (["--arm", "gnmr", "--gradient_checkpointing", "False"], "--activation_checkpointing"),
+        (["--arm", "gnmr", "--preset", "huge"], "--preset"),
+        (["--arm", "gnmr", "--train_file", "data.csv"], "--train_file"),
+        (["--arm", "gnmr", "--train_file", "data.json", "--dataset_name", "tatsu-lab/alpaca"], "--dataset_name"),
+    ):
+        with pytest.raises(SystemExit):
+            recipe().parse_args(argv)
+        assert flag in capsys.readouterr().err, argv
+
+
+def _tokenized(rows: list[dict], **flags):
+    from datasets import Dataset
+
+    tokenizer = char_tokenizer()
+    args = recipe().FinetuneArguments(arm="bf16", preset="tiny", **flags)
+    return recipe().tokenize_instructions(Dataset.from_list(rows), args, tokenizer), tokenizer
+
+
+def _text(ids: list[int], tokenizer) -> str:
+    return "".join(tokenizer.convert_ids_to_tokens(ids))  # decode() would put spaces between characters
+
+
+def _response(row: dict, tokenizer) -> str:
+    return _text([t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != -100], tokenizer)
+
+
+def test_alpaca_prompt_tokens_are_masked_out_of_the_labels():
+    rows = [
+        {"instruction": "Add 2 and 3.", "input": "", "output": "5"},
+        {"instruction": "Reverse the word.", "input": "norm", "output": "mron"},
+    ]
+    data, tokenizer = _tokenized(rows)
+    first, second = data[0], data[1]
+    assert _text(first["input_ids"], tokenizer).startswith("Below is an instruction")
+    assert "### Input:" in _text(second["input_ids"], tokenizer)
+    # Only the response and the EOS that teaches the model to stop are trained on.
+    assert [_response(first, tokenizer), _response(second, tokenizer)] == ["5<eos>", "mron<eos>"]
+    assert first["labels"][-2:] == first["input_ids"][-2:]
+
+
+def test_a_chat_template_is_used_when_the_tokenizer_has_one_and_only_the_reply_is_trained_on():
+    from datasets import Dataset
+
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    args = recipe().FinetuneArguments(arm="bf16", preset="tiny")
+    rows = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"}]
+    row = recipe().tokenize_instructions(Dataset.from_list(rows), args, tokenizer)[0]
+    assert _text(row["input_ids"], tokenizer) == "<user>Add 2 and 3.</s><assistant>5</s>"
+    assert _response(row, tokenizer) == "5</s>"
+
+
+def test_examples_cut_before_their_response_are_dropped():
+    rows = [
+        {"instruction": "x" * 400, "input": "", "output": "long"},
+        {"instruction": "Hi.", "input": "", "output": "ok"},
+    ]
+    data, tokenizer = _tokenized(rows, max_seq_length=240)
+    assert len(data) == 1 and _response(data[0], tokenizer) == "ok<eos>"
+
+
+@pytest.fixture(scope="module")
+def arms(tmp_path_factory) -> dict[str, Path]:
+    """A smaller slice of the tiny preset for each arm, in this process: 2 steps for int8 and bf16, STEPS for gnmr,
+    which checks rank agreement with itself (one rank) and has thresholds low enough to flip units."""
+    root = tmp_path_factory.mktemp("arms")
+    for arm in ("int8", "gnmr", "bf16"):
+        extra = ["--max_steps", "2"]
+        if arm == "gnmr":
+            extra = ["--max_steps", str(STEPS), *ACTIVE_GNMR, "--check_rank_agreement"]
+        assert recipe().main(["--arm", arm, *SLICE, *extra, "--output_dir", str(root / arm)]) == 0
+    return {arm: root / arm for arm in ("int8", "gnmr", "bf16")}
+
+
+def test_each_arm_writes_its_adapter_tokenizer_and_run_file(arms):
+    for arm, out in arms.items():
+        assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+        assert (out / "tokenizer_config.json").is_file()
+        run = json.loads((out / "gnmr_run.json").read_text())
+        assert run["base_model"] == str((out / "base_model").resolve())
+        assert (run["arm"], run["load_in_8bit"], run["adapter"]) == (arm, arm != "bf16", ".")
+        assert json.loads((out / "train_results.json").read_text())["train_loss"] > 0
+        assert (out / "gnmr_trace.jsonl").exists() == (arm == "gnmr")
+
+
+def test_the_gnmr_arm_writes_its_trace_summary_and_plots_and_flips_units(arms):
+    out = arms["gnmr"]
+    for name in ("gnmr_summary.json", "gnmr_recovery.png", "gnmr_scores.png"):
+        assert (out / name).is_file(), name
+    header, steps = read_trace(out / "gnmr_trace.jsonl")
+    assert len(steps) == STEPS and any(s["entered"] for s in steps)
+    assert all(len(s["active"]) <= header["config"]["max_active"] for s in steps)
+    digests = [json.loads(line) for line in (out / "gnmr_rank_agreement.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in digests] == [s["step"] for s in steps]
+    assert [d["entered"] for d in digests] == [s["entered"] for s in steps]
+
+
+def test_each_output_dir_evaluates_with_its_adapter_on_its_base(arms, tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    tasks = TaskManager(include_path=[str(write_local_tasks(tmp_path))], include_defaults=False)
+    key = "bits_per_byte,none"
+
+    def bits_per_byte(model: str, **kwargs) -> float:
+        results = evaluate_model(model, tasks=PERPLEXITY_TASK, limit=2, device="cpu", task_manager=tasks, **kwargs)
+        return results["results"][PERPLEXITY_TASK][key]
+
+    base = bits_per_byte(str(arms["bf16"] / "base_model"))
+    for arm, out in arms.items():
+        eight_bit = json.loads((out / "gnmr_run.json").read_text())["load_in_8bit"]
+        tuned = bits_per_byte(str(out), load_in_8bit=eight_bit)
+        assert tuned != base and torch.isfinite(torch.tensor(tuned)), arm
+
+
+def test_rank_agreement_stops_at_the_first_step_where_ranks_differ(tmp_path, monkeypatch):
+    import numpy as np
+    from transformers import TrainerControl, TrainerState
+
+    from gnmr_hf import GNMRCallback
+
+    gnmr = GNMRCallback(GNMRConfig())
+    none = np.array([], dtype=np.int64)
+    gnmr.last_decision = SimpleNamespace(
+        step=3, active=np.array([1]), entered=none, exited=none, risky=none, max_risk=0.5
+    )
+    check = recipe().RankAgreementCallback(SimpleNamespace(callbacks=[gnmr]))
+    args = SimpleNamespace(output_dir=str(tmp_path), device=torch.device("cpu"))
+    state, control = TrainerState(global_step=2), TrainerControl()
+    check.on_train_begin(args, state, control)
+    # Another rank whose digest differs: every rank raises (they all see both digests); rank 0 wrote what it saw.
+    monkeypatch.setattr("accelerate.utils.gather", lambda t: torch.cat([t, t + 1]))
+    with pytest.raises(RuntimeError, match="differ across ranks at optimizer step 3"):
+        check.on_optimizer_step(args, state, control)
+    check.on_train_end(args, state, control)
+    line = json.loads((tmp_path / "gnmr_rank_agreement.jsonl").read_text())
+    assert line["step"] == 3 and line["active"] == [1] and len(set(line["digests"])) == 2
+
+
+def test_two_processes_under_accelerate_launch_take_identical_gnmr_decisions_at_every_step(tmp_path):
+    out = tmp_path / "ddp"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "recipes" / "configs" / "cpu_2proc_gloo.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        str(RECIPE),
+        "--arm",
+        "gnmr",
+        *SLICE,
+        *("--max_steps", str(STEPS)),
+        *ACTIVE_GNMR,
+        "--check_rank_agreement",
+        "--output_dir",
+        str(out),
+    ]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    if result.returncode != 0:
+        pytest.fail(
+            f"{' '.join(cmd)} exited with {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+        )
+    records = [json.loads(line) for line in (out / "gnmr_rank_agreement.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for record in records:
+        assert len(record["digests"]) == 2 and record["digests"][0] == record["digests"][1], record
+    # The decisions compared are not trivially empty: units entered and left recovery during the run.
+    assert any(r["entered"] for r in records) and any(r["active"] for r in records)
+    _, steps = read_trace(out / "gnmr_trace.jsonl")
+    assert [s["active"] for s in steps] == [r["active"] for r in records]
