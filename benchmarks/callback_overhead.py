@@ -76,7 +76,8 @@ class _OwnTime:
 def _time_own_work(gnmr: GNMRCallback) -> _OwnTime:
     own = _OwnTime()
     for name in (
-        "_on_grad_accumulated",
+        "_on_model_forward",
+        "_on_output_grad",
         "_capture",
         "on_log",
         "on_step_begin",
