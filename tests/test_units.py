@@ -104,7 +104,7 @@ def test_a_registered_backend_is_a_valid_config_backend(toy_backend):
     from gnmr_hf import GNMRConfig
 
     assert GNMRConfig(backend=toy_backend).backend == "toy"
-    with pytest.raises(ValueError, match=r"backend must be one of \['bnb_int8', 'toy'\]"):
+    with pytest.raises(ValueError, match=r"backend must be one of \['bnb_int8', .*'toy'\]"):
         GNMRConfig(backend="nope")
 
 
@@ -177,7 +177,7 @@ def test_an_outside_backend_takes_its_options_from_the_command_line(scaled_backe
 
 
 def test_no_units_error_carries_the_backend_hint(scaled_backend):
-    with pytest.raises(ValueError, match=r"Use nn\.Linear layers\. Known backends: \['bnb_int8', 'scaled'"):
+    with pytest.raises(ValueError, match=r"Use nn\.Linear layers\. Known backends: \['bnb_int8', .*'scaled'\]"):
         find_units(nn.Sequential(nn.ReLU()), scaled_backend)
 
 
