@@ -36,6 +36,7 @@ def main() -> None:
     from gnmr_hf import BackendOptions, GNMRCallback, GNMRConfig, register_backend
     from gnmr_hf.backends.adapters import resolve_signal
     from gnmr_hf.backends.switch import SwitchedUnit
+    from gnmr_hf.tiny import TINY_LLAMA
     from gnmr_hf.units import display_name
 
     @dataclass
@@ -69,15 +70,7 @@ def main() -> None:
 
     register_backend("bf16_cast", dispatch, options=CastOptions)
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-    )
+    config = LlamaConfig(**TINY_LLAMA)
     model = LlamaForCausalLM(config)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
