@@ -65,6 +65,16 @@ class GNMRConfig:
     schedule_steps: int = field(
         default=0, metadata={"help": "Length of the threshold schedule in optimizer steps (>= 1 if used)."}
     )
+    relapse_lock: bool = field(
+        default=False,
+        metadata={
+            "help": "Relapse-aware lock (off: the paper's fixed lock): a unit selected again within lock_steps "
+            "steps of leaving recovery gets double its previous lock, up to relapse_lock_cap."
+        },
+    )
+    relapse_lock_cap: int = field(
+        default=64, metadata={"help": "Longest lock the relapse-aware lock gives, in steps (>= lock_steps)."}
+    )
     # Integration knobs: the controller ignores these, the callback reads them.
     backend: str = field(
         default="bnb_int8",
@@ -101,6 +111,14 @@ class GNMRConfig:
         self._check_int("min_history", 1)
         self._check_int("schedule_steps", 0)
         self._check_int("trace_top_k", 0)
+        self._check_int("relapse_lock_cap", 1)
+        if not isinstance(self.relapse_lock, bool):
+            raise TypeError(f"GNMRConfig.relapse_lock must be a bool, got {self.relapse_lock!r}")
+        if self.relapse_lock and self.relapse_lock_cap < self.lock_steps:
+            raise ValueError(
+                f"GNMRConfig.relapse_lock_cap must be >= lock_steps={self.lock_steps} with relapse_lock=True, "
+                f"got {self.relapse_lock_cap}"
+            )
         self._check_threshold("alpha")
         self._check_threshold("beta")
         self._check_choice("threshold_schedule", _SCHEDULES)

@@ -29,6 +29,9 @@ __all__ = ["Decision", "GNMRController", "HostDecision"]
 # Version 3: the GNMR window is stored as raw values (`gnmr_window`); version 2 kept block suffix sums.
 _STATE_VERSION = 3
 _TENSOR_STATE = ("norm_sum", "norm_count", "gnmr_window", "locks")
+# Kept only with `relapse_lock` (an older state without them loads as "no relapse seen yet").
+_RELAPSE_STATE = ("lock_length", "exited_at")
+_NEVER = -(2**62)  # `exited_at` of a unit that never left recovery: no step is within lock_steps of it
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,11 @@ class GNMRController:
         self.locks = torch.zeros(num_units, dtype=torch.int32, device=self.device)
         self.active = self.locks > 0
         self._before_last: tuple[Any, ...] | None = None  # what `revert()` restores
+        if config.relapse_lock:
+            # Relapse-aware lock (docs/method.md): each unit's current full lock, and the step it last left recovery.
+            self.lock_length = torch.full((num_units,), config.lock_steps, dtype=torch.int32, device=self.device)
+            self.exited_at = torch.full((num_units,), _NEVER, dtype=torch.int64, device=self.device)
+            self._relapse_before: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _check_norms(self, norms: Any, missing: Any) -> None:
         if not isinstance(norms, torch.Tensor):
@@ -239,7 +247,10 @@ class GNMRController:
         selected = torch.zeros_like(candidates).index_fill_(0, order[: cfg.max_active], True) & candidates
         # Selected risky units get a full lock, selected stable ones keep counting down, the rest (released, or
         # preempted when the budget is full) drop to 0 and leave recovery.
-        locks = torch.where(selected, torch.where(risky, cfg.lock_steps, countdown), 0).to(torch.int32)
+        full_lock = self._relapse_lock(t, selected & risky & ~self.active) if cfg.relapse_lock else cfg.lock_steps
+        locks = torch.where(selected, torch.where(risky, full_lock, countdown), 0).to(torch.int32)
+        if cfg.relapse_lock:
+            self.exited_at = torch.where(self.active & ~selected, t, self.exited_at)
 
         previous = self.active
         self.locks, self.active, self.step = locks, selected, t
@@ -260,6 +271,19 @@ class GNMRController:
             has_history=(self.norm_count >= cfg.min_history) & (self.norm_sum > 0),
         )
 
+    def _relapse_lock(self, t: int, entering: torch.Tensor) -> torch.Tensor:
+        """The full lock of each unit at step t under the relapse-aware lock: a unit entering recovery within
+        `lock_steps` steps of its last exit (a relapse) gets double its previous lock, capped at `relapse_lock_cap`;
+        any other entering unit starts again from `lock_steps`; a unit already in recovery keeps its length."""
+        cfg = self.config
+        self._relapse_before = (self.lock_length, self.exited_at)
+        relapse = entering & (t - self.exited_at <= cfg.lock_steps)
+        doubled = (self.lock_length * 2).clamp_max(cfg.relapse_lock_cap)
+        self.lock_length = torch.where(relapse, doubled, torch.where(entering, cfg.lock_steps, self.lock_length)).to(
+            torch.int32
+        )
+        return self.lock_length
+
     def revert(self) -> None:
         """Undo the last `observe()`: the state is exactly as before it, as if that step had never been seen.
 
@@ -274,6 +298,9 @@ class GNMRController:
         self.step, self.norm_sum, self.norm_count, self.locks = step, norm_sum, norm_count, locks
         self.active = locks > 0
         self._before_last = None
+        if self.config.relapse_lock and self._relapse_before is not None:
+            self.lock_length, self.exited_at = self._relapse_before
+            self._relapse_before = None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -284,9 +311,12 @@ class GNMRController:
             "window": self.config.window,
             "step": self.step,
         }
-        for name in _TENSOR_STATE:
+        for name in self._state_names():
             state[name] = getattr(self, name).detach().cpu().clone()
         return state
+
+    def _state_names(self) -> tuple[str, ...]:
+        return _TENSOR_STATE + (_RELAPSE_STATE if self.config.relapse_lock else ())
 
     def json_state(self) -> dict[str, Any]:
         """`state_dict()` with plain lists: JSON-safe and exact (float64 round-trips through repr).
@@ -294,7 +324,7 @@ class GNMRController:
         The NaNs of `gnmr_window` (steps without a score) become `null`, since NaN is not JSON.
         """
         state = self.state_dict()
-        for name in _TENSOR_STATE:
+        for name in self._state_names():
             array = state[name].numpy()
             if array.dtype == np.float64:
                 boxed = array.astype(object)
@@ -351,7 +381,7 @@ class GNMRController:
                 value = value.to(torch.int64)
                 if (value < 0).any():
                     raise ValueError("GNMRController.load_state_dict: locks must be >= 0")
-                value = value.clamp(max=self.config.lock_steps)
+                value = value.clamp(max=self._longest_lock())
             value = value.to(device=self.device, dtype=dtype)
             expected = getattr(self, name).shape
             if value.shape != expected:
@@ -361,11 +391,37 @@ class GNMRController:
             loaded[name] = value.clone()
         if version == 2:
             loaded["gnmr_window"] = _window_from_suffix_sums(loaded["gnmr_window"], step)
+        if self.config.relapse_lock:
+            loaded.update(self._load_relapse_state(state))
         for name, value in loaded.items():
             setattr(self, name, value)
         self.step = step
         self.active = self.locks > 0
         self._before_last = None
+
+    def _longest_lock(self) -> int:
+        return self.config.relapse_lock_cap if self.config.relapse_lock else self.config.lock_steps
+
+    def _load_relapse_state(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The relapse-aware lock's tensors from `state`, or fresh ones when it was saved without the option."""
+        if not all(name in state for name in _RELAPSE_STATE):
+            return {
+                "lock_length": torch.full_like(self.lock_length, self.config.lock_steps),
+                "exited_at": torch.full_like(self.exited_at, _NEVER),
+            }
+        lengths = torch.as_tensor(state["lock_length"], dtype=torch.int64)
+        exited = torch.as_tensor(state["exited_at"], dtype=torch.int64)
+        for name, value in (("lock_length", lengths), ("exited_at", exited)):
+            if value.shape != (self.num_units,):
+                raise ValueError(
+                    f"GNMRController.load_state_dict: {name} has shape {tuple(value.shape)}, "
+                    f"expected ({self.num_units},)"
+                )
+        lengths = lengths.clamp(self.config.lock_steps, self.config.relapse_lock_cap)
+        return {
+            "lock_length": lengths.to(device=self.device, dtype=torch.int32),
+            "exited_at": exited.to(self.device),
+        }
 
 
 def _window_from_suffix_sums(ring: torch.Tensor, step: int) -> torch.Tensor:

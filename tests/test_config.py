@@ -53,6 +53,9 @@ INVALID = [
     ({"monitor_only": "yes"}, TypeError, "monitor_only"),
     ({"monitor_only": 1}, TypeError, "monitor_only"),
     ({"trace_file": None}, TypeError, "trace_file"),
+    ({"relapse_lock": 1}, TypeError, "relapse_lock"),
+    ({"relapse_lock_cap": 0}, ValueError, "relapse_lock_cap"),
+    ({"relapse_lock": True, "lock_steps": 8, "relapse_lock_cap": 4}, ValueError, "relapse_lock_cap"),
 ]
 
 

@@ -538,3 +538,82 @@ def test_numpy_state_values_round_trip_exactly():
     for name, value in controller.state_dict().items():
         if isinstance(value, torch.Tensor):
             np.testing.assert_array_equal(again.state_dict()[name].numpy(), value.numpy())
+
+
+# ------------------------------------------------------------------------------------- relapse-aware lock (option)
+
+# One unit, one slot: the spike at step 3 is caught (lock 2, out again at decision 5); the one at step 6 is a
+# relapse (risky again within lock_steps of leaving); the one at step 19 is a fresh failure.
+RELAPSE_STREAM = [[1.0], [1.0], [10.0], [1.0], [1.0], [50.0]] + [[1.0]] * 12 + [[400.0], [1.0], [1.0], [1.0]]
+
+
+def locks_of(decisions) -> list[int]:
+    return [int(d.locks[0]) for d in decisions]
+
+
+def test_the_relapse_aware_lock_is_off_by_default_and_keeps_the_fixed_lock():
+    assert GNMRConfig().relapse_lock is False
+    fixed = locks_of(run(GNMRConfig(**{**GNMR_ONLY, "max_active": 1}), RELAPSE_STREAM))
+    assert fixed[2:8] == [2, 1, 0, 2, 1, 0] and fixed[18:21] == [2, 1, 0]
+    assert "lock_length" not in GNMRController(GNMRConfig(), 2).state_dict()
+
+
+def test_a_unit_that_relapses_within_lock_steps_gets_double_its_previous_lock():
+    config = GNMRConfig(**{**GNMR_ONLY, "max_active": 1}, relapse_lock=True, relapse_lock_cap=6)
+    locks = locks_of(run(config, RELAPSE_STREAM))
+    assert locks[2:5] == [2, 1, 0]  # first catch: the paper's lock
+    assert locks[5:10] == [4, 3, 2, 1, 0]  # relapse one step after leaving: doubled
+    assert locks[18:21] == [2, 1, 0]  # risky long after leaving: a fresh failure, back to lock_steps
+
+
+def test_the_relapse_aware_lock_doubles_up_to_its_cap():
+    config = GNMRConfig(**{**GNMR_ONLY, "max_active": 1}, relapse_lock=True, relapse_lock_cap=6)
+    controller = GNMRController(config, 1)
+    entry_locks, spike, exited_last_step = [], 10.0, False
+    for _ in range(60):
+        # A unit whose cheap path stays bad: it spikes again as soon as it is back on the cheap path.
+        norm = spike if exited_last_step or controller.step == 2 else 1.0
+        decision = controller.observe(torch.tensor([norm], dtype=torch.float64))
+        if bool(decision.entered[0]):
+            entry_locks.append(int(decision.locks[0]))
+            spike *= 100.0
+        exited_last_step = bool(decision.exited[0])
+    assert entry_locks[:4] == [2, 4, 6, 6]
+
+
+def test_a_relapse_aware_controller_resumes_with_the_decisions_of_an_uninterrupted_run():
+    config = GNMRConfig(**{**GNMR_ONLY, "max_active": 1}, relapse_lock=True, relapse_lock_cap=6)
+    whole = locks_of(run(config, RELAPSE_STREAM))
+    first = GNMRController(config, 1)
+    head = locks_of(run(config, RELAPSE_STREAM[:7], first))
+    resumed = GNMRController(config, 1)
+    resumed.load_state_dict(json.loads(json.dumps(first.json_state())))
+    assert head + locks_of(run(config, RELAPSE_STREAM[7:], resumed)) == whole
+    # A state saved without the option starts the relapse record fresh.
+    plain = GNMRController(GNMRConfig(**{**GNMR_ONLY, "max_active": 1}), 1)
+    run(plain.config, RELAPSE_STREAM[:3], plain)
+    resumed.load_state_dict(plain.state_dict())
+    assert resumed.lock_length.tolist() == [2] and resumed.locks.tolist() == [2]
+
+
+def test_revert_undoes_the_relapse_record_of_the_last_step():
+    config = GNMRConfig(**{**GNMR_ONLY, "max_active": 1}, relapse_lock=True, relapse_lock_cap=6)
+    controller = GNMRController(config, 1)
+    run(config, RELAPSE_STREAM[:5], controller)
+    before = (controller.lock_length.clone(), controller.exited_at.clone())
+    controller.observe(torch.tensor([50.0], dtype=torch.float64))
+    controller.revert()
+    assert torch.equal(controller.lock_length, before[0]) and torch.equal(controller.exited_at, before[1])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        ({"relapse_lock": True, "lock_steps": 8, "relapse_lock_cap": 4}, ValueError, "relapse_lock_cap must be >="),
+        ({"relapse_lock": "yes"}, TypeError, "relapse_lock must be a bool"),
+        ({"relapse_lock_cap": 0}, ValueError, "relapse_lock_cap"),
+    ],
+)
+def test_relapse_lock_options_are_validated_with_errors_naming_the_field(overrides, error, message):
+    with pytest.raises(error, match=message):
+        GNMRConfig(**overrides)
