@@ -59,6 +59,8 @@ _BUILTIN_BACKENDS: dict[str, str] = {
     "bnb_int8": "gnmr_hf.backends.bnb:BNB_INT8",
     "bnb_4bit": "gnmr_hf.backends.bnb:BNB_4BIT",
     "torchao_float8": "gnmr_hf.backends.torchao:TORCHAO_FLOAT8",
+    "act_quant": "gnmr_hf.backends.act_quant:ACT_QUANT",
+    "block_fp": "gnmr_hf.backends.block_fp:BLOCK_FP",
 }
 _CUSTOM_BACKENDS: dict[str, Backend] = {}
 # Every unit `find_units` made and nobody closed yet, so that a run interrupted before it could close its units

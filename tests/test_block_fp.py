@@ -1,0 +1,293 @@
+"""The `block_fp` backend: which GEMM inputs are rounded with which tiles, gradients within each format's bound of a
+float64 reference, the recovery path, flips, options, carve-outs, and the recipe's tiny preset end to end.
+
+The rounding itself (every representable value, midpoints, saturation, NaN/inf, block scales of `quantize_blocks`)
+is tested in tests/test_quant.py; here it is the backend's use of it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gnmr_hf import GNMRConfig, find_units
+from gnmr_hf.backends.block_fp import BlockFPOptions, GemmFormat, block_fp_linear
+from gnmr_hf.pretrain import build_model, llama_config
+from gnmr_hf.quant import FORMATS, quantize_blocks
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "pretrain_dynamic_precision.py"
+PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
+
+
+def operands(seed: int = 0, m: int = 300, k: int = 256, n: int = 192):
+    """x [2, m/2, k] with token magnitudes spread over decades, W [n, k], b [n], dy [2, m/2, n]: shapes that the 128
+    tiles and blocks do not divide, so ragged blocks are exercised too."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp(2 * torch.randn(m, 1, generator=g))
+    w = torch.randn(n, k, generator=g) / k**0.5
+    dy = torch.randn(m, n, generator=g) * torch.exp(torch.randn(m, 1, generator=g))
+    return x.view(2, m // 2, k), w, torch.randn(n, generator=g), dy.view(2, m // 2, n)
+
+
+def run(x, w, b, dy, fmt: GemmFormat):
+    """(y, dx, dW, db) of block_fp_linear."""
+    x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
+    y = block_fp_linear(x, w, b, fmt)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad, b.grad
+
+
+def tiny_llama() -> nn.Module:
+    return build_model(llama_config(d_model=32, n_layers=2, n_heads=2, seq_len=16), seed=0)
+
+
+# ------------------------------------------------------------------------------------------------------ options
+
+
+def test_options_come_as_keywords_config_fields_or_command_line_text():
+    units = find_units(tiny_llama(), "block_fp", low_format="e2m1", high_format="bf16", scaling="mx")
+    assert units[0].describe() == {"signal": "weight", "formats": "e2m1/bf16", "scaling": "mx"}
+    config = GNMRConfig(backend="block_fp", backend_options="low_format=e2m3,quantize_lm_head=true")
+    assert config.backend_options == {"low_format": "e2m3", "quantize_lm_head": "true"}
+    options = BlockFPOptions.parse(config.backend_options)
+    assert (options.low_format, options.high_format, options.quantize_lm_head) == ("e2m3", "e4m3", True)
+    assert BlockFPOptions.parse(None) == BlockFPOptions(low_format="e3m2", high_format="e4m3", scaling="fp32")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"low_format": "fp4"}, "'low_format' must be one of"),
+        ({"high_format": "e3m2"}, "'high_format' must be one of ['e4m3', 'e5m2', 'bf16']"),
+        ({"low_format": "e4m3", "high_format": "e4m3"}, "'high_format' must differ from low_format"),
+        ({"scaling": "tile"}, "'scaling' must be one of ['fp32', 'mx']"),
+        ("quantize_eval=sometimes", "'quantize_eval' must be bool"),
+        ({"signal": "loss"}, "'signal' must be one of"),
+        ({"bits": 6}, "unknown options ['bits']"),
+    ],
+)
+def test_invalid_options_raise_an_error_naming_the_option(options, message):
+    with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[").replace("]", r"\]")):
+        GNMRConfig(backend="block_fp", backend_options=options)
+
+
+def test_only_block_linears_are_units_and_lm_head_joins_only_when_asked():
+    model = tiny_llama()
+    names = [u.name for u in find_units(model, "block_fp")]
+    assert len(names) == 2 * 7 and all(n.split(".")[-1].endswith("_proj") for n in names)
+    for unit in find_units(model, "block_fp", quantize_lm_head=True, include=[r"lm_head"]):
+        assert unit.name == "lm_head"
+        unit.close()
+
+
+# ------------------------------------------------------------------------------------------ what is rounded how
+
+
+@pytest.mark.parametrize("scaling", ["fp32", "mx"])
+def test_each_gemm_rounds_its_inputs_in_blocks_along_its_contraction_dimension(scaling):
+    x, w, b, dy = operands()
+    y, dx, dw, db = run(x, w, b, dy, GemmFormat("e3m2", scaling))
+    x2, g2 = x.reshape(-1, 256), dy.reshape(-1, 192)
+    if scaling == "fp32":
+        # DeepSeek-V3: 1x128 tiles of x and dy along the channels, 128x128 weight blocks (one copy for fprop and
+        # dgrad), and 128 tokens x 1 channel for both inputs of the wgrad, which sums over tokens.
+        q = {"x": (1, 128), "w_fprop": (128, 128), "dy": (1, 128), "w_dgrad": (128, 128), "wgrad": (128, 1)}
+        kwargs = {}
+    else:
+        q = {"x": (1, 32), "w_fprop": (1, 32), "dy": (1, 32), "w_dgrad": (32, 1), "wgrad": (32, 1)}
+        kwargs = {"scale": "pow2"}
+
+    def qb(t, block):
+        return quantize_blocks(t, "e3m2", q[block], **kwargs)
+
+    assert torch.equal(y.reshape(-1, 192), qb(x2, "x") @ qb(w, "w_fprop").t() + b)
+    assert torch.equal(dx.reshape(-1, 256), qb(g2, "dy") @ qb(w, "w_dgrad"))
+    assert torch.equal(dw, qb(g2, "wgrad").t() @ qb(x2, "wgrad"))
+    assert torch.equal(db, g2.sum(0))  # the bias gradient is a sum, not a GEMM: exact
+
+
+def test_an_outlier_coarsens_only_its_own_tiles():
+    x, w, b, dy = operands()
+    spiked = x.clone()
+    spiked[0, 0, 3] = 1e4  # token 0, channel 3
+    y0, _, dw0, _ = run(x, w, b, dy, GemmFormat("e2m1", "fp32"))
+    y1, _, dw1, _ = run(spiked, w, b, dy, GemmFormat("e2m1", "fp32"))
+    # fprop tiles are per token: only token 0's outputs change.
+    changed_tokens = (y0 != y1).any(-1).flatten().nonzero().flatten().tolist()
+    assert changed_tokens == [0]
+    # wgrad tiles are 128 tokens of one channel: only channel 3's column of dW changes.
+    assert (dw0 != dw1).any(0).nonzero().flatten().tolist() == [3]
+
+
+def element_bound(t: torch.Tensor, fmt: str, block: tuple[int, int]) -> torch.Tensor:
+    """|round(t) - t| <= this, per element, in float64: half a quantum of the format at t / scale, times scale."""
+    t = t.double()
+    if fmt == "bf16":
+        return t.abs() * 2.0**-8
+    f = FORMATS[fmt]
+    _, s = quantize_blocks(t.float(), fmt, block, return_scales=True)
+    s = s.double().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: t.shape[0], : t.shape[1]]
+    return torch.maximum(t.abs() * 2.0 ** -(f.man_bits + 1), s * 2.0 ** (f.emin - f.man_bits - 1))
+
+
+def gemm_bound(a, block_a, b, block_b, fmt):
+    """Bound on |round(a) @ round(b) - a @ b|: |ea| |b| + |a| |eb| + |ea| |eb|, plus float32 accumulation."""
+    ea, eb = element_bound(a, fmt, block_a), element_bound(b, fmt, block_b)
+    a, b = a.double().abs(), b.double().abs()
+    return ea @ b + a @ eb + ea @ eb + a.shape[1] * 2.0**-23 * ((a + ea) @ (b + eb))
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e2m3", "e3m2", "e4m3", "e5m2", "bf16"])
+def test_gradients_are_within_the_formats_bound_of_a_float64_reference(fmt):
+    x, w, b, dy = operands(seed=1)
+    y, dx, dw, _ = run(x, w, b, dy, GemmFormat(fmt, "fp32"))
+    x2, g2 = x.reshape(-1, 256).double(), dy.reshape(-1, 192).double()
+    w64 = w.double()
+    checks = {
+        "y": (y.reshape(-1, 192), x2 @ w64.t() + b.double(), gemm_bound(x2, (1, 128), w64.t(), (128, 128), fmt)),
+        "dx": (dx.reshape(-1, 256), g2 @ w64, gemm_bound(g2, (1, 128), w64, (128, 128), fmt)),
+        "dW": (dw, g2.t() @ x2, gemm_bound(g2.t(), (1, 128), x2, (128, 1), fmt)),
+    }
+    for name, (got, exact, bound) in checks.items():
+        error = (got.double() - exact).abs()
+        assert (error <= bound * (1 + 1e-6)).all(), (name, (error / bound).max().item())
+        # Not vacuous: the rounding is really there, and the bound is not orders of magnitude loose.
+        assert 1e-3 < (error / bound).max() <= 1, name
+
+
+def test_a_non_finite_value_stays_visible_in_its_own_blocks():
+    x, w, b, dy = operands()
+    x[0, 5, 0] = torch.inf
+    dy[1, 0, 0] = torch.nan
+    y, dx, dw, _ = run(x, w, b, dy, GemmFormat("e3m2", "fp32"))
+    assert y.reshape(-1, 192).isnan().any(-1).nonzero().flatten().tolist() == [5]
+    assert dw.isnan().any() and dx.isnan().any() and not dx.isnan().all()
+
+
+def test_under_autocast_the_output_is_autocasts_dtype_but_the_emulation_stays_float32():
+    x, w, b, _ = operands()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block_fp_linear(x, w, b, GemmFormat("e3m2", "fp32"))
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, block_fp_linear(x, w, b, GemmFormat("e3m2", "fp32")).bfloat16())
+
+
+# ----------------------------------------------------------------------------------------------- the unit
+
+
+def linear_unit(**options):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 192))
+    (unit,) = find_units(model, "block_fp", **options)
+    return model, unit
+
+
+def test_the_cheap_path_is_low_format_and_recovery_the_high_format_closer_to_exact():
+    x = operands()[0]
+    model, unit = linear_unit(low_format="e2m1", high_format="e4m3")
+    w, b = model[0].weight.detach(), model[0].bias.detach()
+    exact = F.linear(x.double(), w.double(), b.double())
+    cheap = model(x)
+    unit.enter_recovery()
+    recovered = model(x)
+    assert torch.equal(cheap, block_fp_linear(x, w, b, GemmFormat("e2m1", "fp32")))
+    assert torch.equal(recovered, block_fp_linear(x, w, b, GemmFormat("e4m3", "fp32")))
+    assert (recovered - exact).norm() < (cheap - exact).norm() / 4
+    unit.exit_recovery()
+    assert torch.equal(model(x), cheap)
+
+
+def test_a_flip_takes_effect_at_the_next_step_adds_nothing_and_leaves_the_optimizer_alone():
+    x, _, _, dy = operands()
+    model, unit = linear_unit(low_format="e2m1", high_format="e4m3")
+    lin = model[0]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(x).backward(dy)
+    optimizer.step()
+    optimizer.zero_grad()
+    params, buffers = [id(p) for p in model.parameters()], [id(t) for t in model.buffers()]
+    keys, groups = list(model.state_dict()), [list(map(id, g["params"])) for g in optimizer.param_groups]
+    state = {id(p): {k: id(v) for k, v in s.items()} for p, s in optimizer.state.items()}
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+
+    y = model(x)
+    unit.enter_recovery()  # between a step's forward and its backward
+    y.backward(dy)
+    # The step in flight finishes on the format its forward started with...
+    assert torch.equal(lin.weight.grad, run(x, w, b, dy, GemmFormat("e2m1", "fp32"))[2])
+    lin.weight.grad = None
+    model(x).backward(dy)
+    # ...and the next step runs on the recovery format.
+    assert torch.equal(lin.weight.grad, run(x, w, b, dy, GemmFormat("e4m3", "fp32"))[2])
+
+    assert [id(p) for p in model.parameters()] == params and [id(t) for t in model.buffers()] == buffers
+    assert list(model.state_dict()) == keys
+    assert [list(map(id, g["params"])) for g in optimizer.param_groups] == groups
+    assert {id(p): {k: id(v) for k, v in s.items()} for p, s in optimizer.state.items()} == state
+    assert torch.equal(lin.weight, w) and torch.equal(lin.bias, b)
+    assert unit.ledger.peak_bytes == 0 and unit.recovery_bytes() == 0 and unit.ledger.live_units == 1
+    unit.close()
+    assert "forward" not in lin.__dict__
+
+
+def test_eval_mode_runs_the_plain_matmul_unless_quantize_eval():
+    x = operands()[0]
+    for quantize_eval in (False, True):
+        model, unit = linear_unit(low_format="e2m1", quantize_eval=quantize_eval)
+        with torch.no_grad():
+            train = model(x)
+            model.eval()
+            evaluated = model(x)
+        plain = F.linear(x, model[0].weight, model[0].bias)
+        assert torch.equal(evaluated, train if quantize_eval else plain)
+        assert not torch.equal(train, plain)
+        unit.close()
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+def recipe():
+    spec = importlib.util.spec_from_file_location("pretrain_dynamic_precision", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    for i in range(40):
+        (tmp_path / f"doc{i:02d}.txt").write_text(f"document {i}: " + "the quick brown fox jumps. " * 80)
+    return tmp_path
+
+
+@pytest.fixture
+def one_thread():
+    # The tiny model's ops take microseconds: a second OpenMP thread only adds barrier waits on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_tiny_preset_runs_end_to_end(tmp_path, text_dir, one_thread):
+    out = tmp_path / "run"
+    results = recipe().main(
+        [
+            *("--preset", "tiny", "--output_dir", str(out), "--corpus", str(text_dir)),
+            *("--arms", "reference", "static_low", "gnmr", "random", "--max_steps", "6", "--eval_steps", "3"),
+            *("--backend_options", "low_format=e2m1", "--alpha", "1.01", "--min_history", "1", "--window", "1"),
+        ]
+    )
+    assert [r["arm"] for r in results] == ["reference", "static_low", "gnmr", "random"]
+    assert all(r["final_eval_loss"] < 5.6 for r in results)  # below ln(256): it learned something
+    gnmr = json.loads((out / "gnmr" / "seed0" / "result.json").read_text())
+    assert gnmr["units"] == 2 * 7 and gnmr["backend_options"] == {"low_format": "e2m1"}
+    assert 0 < gnmr["recovery_fraction"] <= 4 / 14 and gnmr["ledger_peak_bytes"] == 0
+    table = (out / "results.md").read_text()
+    assert table.count("\n") == 2 + 4 and (out / "loss_curves.png").is_file()
