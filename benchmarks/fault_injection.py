@@ -1,0 +1,191 @@
+"""Controlled fault injection: a local, transient fault on one unit's cheap path, and who catches it.
+
+    python benchmarks/fault_injection.py --output_dir runs/fault --seeds 0 1 --learning_rate 3e-3
+
+During pretraining with `act_quant` linear units (4-bit / 8-bit saved inputs, one scale per token), `--faults` times
+per run a randomly chosen unit's cheap path is corrupted for `--duration` steps, the way a blown-up quantization
+scale would corrupt it: every `--stride`-th token's scale of its saved input is multiplied by `--factor`
+(`unit.fault_scale`, `unit.fault_stride`), which bends that unit's weight gradient, not only its size. The fault
+schedule (steps, units) depends only on the seed, so every arm gets the same faults. A unit on the recovery path
+is immune: its 8-bit copy is saved correctly.
+
+Arms: `clean` (static low-cost, no fault: what the faults cost), `static_low` (faults, nothing reacts), `gnmr`
+(faults, GNMR), `global_z` (faults, a ZClip-style z-score of the total gradient norm, recovering the `max_active`
+units with the largest norms for `lock_steps` steps when it fires: GNMR's budget). Reported per arm over seeds and
+faults: how often the faulty unit runs on the recovery path at the step after the fault's first step, the delay
+from the fault's first step to its first recovered step (within the fault and `lock_steps` after), recoveries
+(entries into recovery) on units that were not faulty at the decision step, unit-steps in recovery, and the final
+validation loss. Writes `<output_dir>/fault_results.md` and `fault_results.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainingArguments
+
+from gnmr_hf import GNMRConfig
+from gnmr_hf.pretrain import PretrainArguments, load_corpus, run_arm, training_arguments
+from gnmr_hf.trace import read_trace
+
+ARMS = ("clean", "static_low", "gnmr", "global_z")
+
+
+class FaultInjector(TrainerCallback):
+    """Corrupts one unit's cheap path at a time, by the schedule `plan(num_units)` draws from `seed`."""
+
+    def __init__(self, owner: Any, seed: int, faults: int, duration: int, factor: float, stride: int) -> None:
+        self.owner, self.seed = owner, seed
+        self.faults, self.duration, self.factor, self.stride = faults, duration, factor, stride
+        self.schedule: list[tuple[int, int]] = []  # (first step, unit index)
+
+    def plan(self, num_units: int, max_steps: int) -> list[tuple[int, int]]:
+        """`faults` (first step, unit) pairs, starts spread over the middle of the run, units uniform."""
+        rng = random.Random(self.seed)
+        first, last = max_steps // 5, max_steps - 3 * self.duration
+        span = (last - first) // self.faults
+        return [
+            (first + i * span + rng.randrange(max(1, span - self.duration)), rng.randrange(num_units))
+            for i in range(self.faults)
+        ]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.schedule = self.plan(len(self.owner.units), args.max_steps)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        step = state.global_step + 1
+        faulty = {unit for start, unit in self.schedule if start <= step < start + self.duration}
+        for i, unit in enumerate(self.owner.units):
+            unit.fault_scale, unit.fault_stride = (self.factor, self.stride) if i in faulty else (1.0, 1)
+
+
+def detection(schedule: list[tuple[int, int]], trace: Path, duration: int, lock_steps: int) -> dict[str, Any]:
+    """Detection facts of one run from its trace: `active` of the decision at step s is the set of step s + 1."""
+    _, records = read_trace(trace)
+    steps = {r["step"]: r for r in records if r["type"] == "step"}
+    in_recovery = {s + 1: set(r["active"]) for s, r in steps.items()}
+    faulty_at = {}
+    for start, unit in schedule:
+        for s in range(start, start + duration):
+            faulty_at.setdefault(s, set()).add(unit)
+    caught_next, delays = 0, []
+    for start, unit in schedule:
+        if unit in in_recovery.get(start + 1, set()):
+            caught_next += 1
+        window = range(start, start + duration + lock_steps)
+        first = next((s for s in window if unit in in_recovery.get(s, set())), None)
+        if first is not None:
+            delays.append(first - start)
+    entries = [(s, u) for s, r in steps.items() for u in r["entered"]]
+    wasted = sum(1 for s, u in entries if u not in faulty_at.get(s, set()))
+    return {
+        "faults": len(schedule),
+        "caught_next_step": caught_next,
+        "delays": delays,
+        "entries": len(entries),
+        "entries_on_healthy_units": wasted,
+        "unit_steps_in_recovery": sum(len(r["active"]) for r in steps.values()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--preset", default="probe")
+    parser.add_argument("--max_steps", type=int, default=None)
+    parser.add_argument("--learning_rate", type=float, default=None)
+    parser.add_argument("--faults", type=int, default=6)
+    parser.add_argument("--duration", type=int, default=4)
+    parser.add_argument("--factor", type=float, default=30.0)
+    parser.add_argument("--stride", type=int, default=16)
+    parser.add_argument("--low_bits", type=int, default=4)
+    parser.add_argument("--high_bits", type=int, default=8)
+    cli = parser.parse_args()
+
+    root = Path(cli.output_dir)
+    given = {"output_dir"} | {k for k in ("max_steps", "learning_rate") if getattr(cli, k) is not None}
+    base = TrainingArguments(
+        output_dir=str(root),
+        **{k: getattr(cli, k) for k in ("max_steps", "learning_rate") if getattr(cli, k) is not None},
+    )
+    args = training_arguments(base, cli.preset, given)
+    pretrain = PretrainArguments(preset=cli.preset, arms=["static_low"])
+    config = GNMRConfig(
+        backend="act_quant",
+        backend_options={"low_bits": cli.low_bits, "high_bits": cli.high_bits, "scaling": "row"},
+        include=[r"\.(q|k|v|o|gate|up|down)_proj$"],
+    )
+    corpus = load_corpus(pretrain.corpus, pretrain.corpus_bytes)
+    rows = []
+    for seed in cli.seeds:
+        for arm in cli.arms:
+            injectors: list[FaultInjector] = []
+
+            def extra(owner, seed=seed, arm=arm, injectors=injectors):
+                if arm == "clean":
+                    return []
+                injector = FaultInjector(owner, seed, cli.faults, cli.duration, cli.factor, cli.stride)
+                injectors.append(injector)
+                return [injector]
+
+            out = root / arm / f"seed{seed}"
+            result = run_arm(
+                "static_low" if arm in ("clean", "static_low") else arm,
+                seed,
+                args=dataclasses.replace(args, output_dir=str(out)),
+                pretrain=pretrain,
+                config=config,
+                corpus=corpus,
+                extra_callbacks=extra,
+            )
+            row = {"arm": arm, "seed": seed, "final_eval_loss": result["final_eval_loss"]}
+            if injectors:
+                schedule = injectors[0].schedule
+                row.update(detection(schedule, out / config.trace_file, cli.duration, config.lock_steps))
+                row["schedule"] = schedule
+            rows.append(row)
+            (root / "fault_results.json").write_text(json.dumps(rows, indent=1))
+            print(json.dumps({k: v for k, v in row.items() if k != "schedule"}))
+    (root / "fault_results.md").write_text(fault_table(rows) + "\n")
+    print(fault_table(rows))
+
+
+def fault_table(rows: list[dict[str, Any]]) -> str:
+    """One row per arm, over seeds: faults caught at the next step, delays, wasted recoveries, final loss."""
+    lines = [
+        "| arm | seeds | faults | in recovery at the next step | mean delay (steps) | entries on healthy units "
+        "| unit-steps in recovery | val loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    by_arm: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_arm.setdefault(row["arm"], []).append(row)
+    for arm, runs in by_arm.items():
+        losses = [r["final_eval_loss"] for r in runs]
+        loss = f"{statistics.fmean(losses):.4f} ± {(max(losses) - min(losses)) / 2:.4f}"
+        seeds = ",".join(str(r["seed"]) for r in runs)
+        if "faults" not in runs[0]:
+            lines.append(f"| {arm} | {seeds} | 0 | - | - | - | - | {loss} |")
+            continue
+        faults = sum(r["faults"] for r in runs)
+        caught = sum(r["caught_next_step"] for r in runs)
+        delays = [d for r in runs for d in r["delays"]]
+        delay = f"{statistics.fmean(delays):.2f} ({len(delays)}/{faults} caught)" if delays else "never"
+        lines.append(
+            f"| {arm} | {seeds} | {faults} | {caught}/{faults} | {delay} | "
+            f"{sum(r['entries_on_healthy_units'] for r in runs)}/{sum(r['entries'] for r in runs)} | "
+            f"{sum(r['unit_steps_in_recovery'] for r in runs)} | {loss} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""What the pretraining runs say: the arms' table, GNMR against the oracle, and how units re-enter recovery.
+
+    python benchmarks/pretrain_analysis.py runs/attn                  # a recipe output_dir
+    python benchmarks/pretrain_analysis.py runs/attn --plot docs/pretrain_attn.png --title "4/8-bit, q/k/v + linear"
+
+Reads what `recipes/pretrain_actquant.py` wrote under the folder and prints, in markdown:
+
+1. the results table (`gnmr_hf.pretrain.results_table`) and, with `--plot`, the loss curves;
+2. GNMR against the oracle (`gnmr_hf.oracle.oracle_agreement`), per seed of every arm that probed it, with k its
+   `max_active`: precision@k of GNMR's risk ranking and of random rankings, precision of the set it recovered,
+   Spearman correlation of risk and gap beside random scores; and the units with the largest mean gap;
+3. re-entry intervals from the traces of the gnmr arms: for every unit, the steps it spent on the cheap path
+   between leaving recovery and being selected again. A re-entry within `lock_steps` of leaving is a *relapse* (the
+   relapse-aware lock doubles the lock there); the table gives entries, relapses, the median interval, and the
+   units that relapse most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import Counter
+from pathlib import Path
+
+from gnmr_hf.oracle import oracle_agreement, read_oracle
+from gnmr_hf.pretrain import load_results, plot_loss_curves, results_table
+from gnmr_hf.trace import read_trace
+
+
+def reentries(trace: Path) -> tuple[list[str], list[tuple[int, int]], int, int]:
+    """(unit names, [(unit, steps on the cheap path before re-entry)], entries, lock_steps) of one trace."""
+    header, records = read_trace(trace)
+    steps = [r for r in records if r["type"] == "step"]
+    last_exit: dict[int, int] = {}
+    intervals, entries = [], 0
+    for record in steps:
+        for unit in record["entered"]:
+            entries += 1
+            if unit in last_exit:
+                intervals.append((unit, record["step"] - last_exit[unit]))
+        for unit in record["exited"]:
+            last_exit[unit] = record["step"]
+    return header["units"], intervals, entries, header["config"]["lock_steps"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--plot", type=Path, default=None, help="Write the loss curves to this PNG.")
+    parser.add_argument("--title", default="")
+    cli = parser.parse_args()
+    results = load_results(cli.root)
+    print(results_table(results), "\n")
+    if cli.plot:
+        plot_loss_curves(results, cli.plot, title=cli.title)
+
+    print(
+        "| arm | seed | probes | precision@k GNMR | precision@k random | recovered-set precision | Spearman GNMR "
+        "| Spearman random | largest mean gaps |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for path in sorted(cli.root.glob("*/seed*/oracle.jsonl")):
+        arm, seed = path.parts[-3], path.parts[-2]
+        k = read_trace(path.parent / "gnmr_trace.jsonl")[0]["config"]["max_active"]
+        names, records = read_oracle(path)
+        agreement = oracle_agreement(records, k)
+        gaps = [sum(r["gaps"][i] for r in records) / len(records) for i in range(len(names))]
+        top = sorted(range(len(names)), key=lambda i: -gaps[i])[:4]
+        largest = ", ".join(f"{names[i].replace('model.layers.', 'L')} {gaps[i]:.2g}" for i in top)
+        print(
+            f"| {arm} | {seed} | {agreement['probes']} | {agreement['precision_at_k']:.2f} | "
+            f"{agreement['random_precision_at_k']:.2f} | {agreement['recovered_set_precision']:.2f} "
+            f"({agreement['probes_with_recovered_units']}) | {agreement['spearman']:.2f} | "
+            f"{agreement['random_spearman']:.2f} | {largest} |"
+        )
+    print()
+
+    print("| arm | seed | entries | re-entries | relapses (<= lock_steps) | median interval | most relapsing units |")
+    print("|---|---|---|---|---|---|---|")
+    for trace in sorted(cli.root.glob("gnmr*/seed*/gnmr_trace.jsonl")):
+        arm, seed = trace.parts[-3], trace.parts[-2]
+        names, intervals, entries, lock_steps = reentries(trace)
+        relapses = [u for u, gap in intervals if gap <= lock_steps]
+        common = Counter(relapses).most_common(3)
+        who = ", ".join(f"{names[u].replace('model.layers.', 'L')} x{n}" for u, n in common) or "-"
+        median = statistics.median(g for _, g in intervals) if intervals else "-"
+        print(f"| {arm} | {seed} | {entries} | {len(intervals)} | {len(relapses)} | {median} | {who} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""The recovery oracle: which units *would* gain most from the recovery path, and how well GNMR's choice agrees.
+
+The paper's oracle recovers the units with the largest recovery gap. A unit's gap at a step is the norm of the
+difference between its signal gradient on the low-cost path and on the recovery path:
+
+    gap_i = || g_i(every unit low) - g_i(every unit high) ||
+
+measured on the same batch with the same weights. `recovery_gaps` computes it with two extra forward/backward
+passes through `torch.autograd.grad` (so no `.grad` is touched and the optimizer step is unaffected): one with every
+unit on the low-cost path and one with every unit on the recovery path. The training step's own backward could
+serve as the low-path pass only in an arm where nothing is in recovery; two passes make the gap independent of the
+arm's current recovery set, which is what a fair comparison of arms needs. The passes run with the random state
+forked (stochastic rounding does not shift the run's own stream), with saved-tensor hooks masked (a memory meter
+does not count them), and every unit's path and its ledger's peak are restored afterwards.
+
+`OracleCallback` probes every `every`-th optimizer step, at step begin, on exactly the batch that step will train
+on (the pretraining data is read sequentially, so batch t is known), and records the gaps together with GNMR's
+risk of every unit from the decision that set the step's recovery set. `oracle_agreement` then reports, over the
+probes where GNMR had scores:
+
+- precision@k of GNMR's ranking: the share of GNMR's k riskiest units that are among the oracle's k largest gaps
+  (k = `max_active`), beside random selection's expectation k / N;
+- precision of the set GNMR actually recovered at that step, over the probes where it recovered anything;
+- Spearman's rank correlation between GNMR's risk and the gap, beside that of random scores (simulated).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import TrainerCallback, default_data_collator
+
+from .callback import GNMRCallback
+from .units import RecoverableUnit
+
+__all__ = ["OracleCallback", "oracle_agreement", "read_oracle", "recovery_gaps"]
+
+
+def _signal_gradients(model: nn.Module, batch: dict[str, torch.Tensor], tensors: list[torch.Tensor]) -> list:
+    loss = model(**batch).loss
+    return list(torch.autograd.grad(loss, tensors, allow_unused=True))
+
+
+def recovery_gaps(model: nn.Module, units: Sequence[RecoverableUnit], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """float64 [N]: each unit's gap (see the module docstring) on `batch`; NaN for a unit with no signal tensors or
+    no gradient. `batch` holds the model's keyword inputs including `labels`. Units end on the path they had."""
+    owners: list[int] = []
+    tensors: list[torch.Tensor] = []
+    for i, unit in enumerate(units):
+        for t in unit.signal_tensors():
+            owners.append(i)
+            tensors.append(t)
+    was_recovering = [u.in_recovery for u in units]
+    ledgers = {id(u.ledger): (u.ledger, u.ledger.peak_bytes) for u in units if hasattr(u, "ledger")}
+    try:
+        with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            for unit in units:
+                unit.exit_recovery()
+            low = _signal_gradients(model, batch, tensors)
+            for unit in units:
+                unit.enter_recovery()
+            high = _signal_gradients(model, batch, tensors)
+    finally:
+        for unit, recovering in zip(units, was_recovering, strict=True):
+            if recovering:
+                unit.enter_recovery()
+            else:
+                unit.exit_recovery()
+        for ledger, peak in ledgers.values():
+            ledger.peak_bytes = peak
+    squares = torch.zeros(len(units), dtype=torch.float64)
+    seen = torch.zeros(len(units), dtype=torch.bool)
+    for i, g_low, g_high in zip(owners, low, high, strict=True):
+        if g_low is not None and g_high is not None:
+            squares[i] += (g_low.double() - g_high.double()).square().sum().cpu()
+            seen[i] = True
+    return torch.where(seen, squares.sqrt(), torch.nan)
+
+
+class OracleCallback(TrainerCallback):
+    """Probes the oracle gaps every `every` optimizer steps on the batch the step trains on (see the module
+    docstring) and writes them to `oracle.jsonl` in the output folder at train end.
+
+    Args:
+        owner: the `GNMRCallback` (or baseline `PolicyCallback`) whose units and decisions are compared; its
+            `trace_top_k` should be >= the number of units, so that GNMR's risk of every unit is known.
+        dataset: the training dataset, read sequentially (batch t = items (t-1)*batch_size .. t*batch_size - 1).
+        batch_size: items per optimizer step.
+        every: probe period in optimizer steps.
+    """
+
+    def __init__(self, owner: GNMRCallback, dataset: Any, batch_size: int, every: int = 10) -> None:
+        if every < 1:
+            raise ValueError(f"OracleCallback: every must be an int >= 1, got {every!r}")
+        self.owner, self.dataset, self.batch_size, self.every = owner, dataset, batch_size, every
+        self.records: list[dict[str, Any]] = []
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        step = state.global_step + 1
+        if step % self.every or not self.owner.units:
+            return
+        start = (step - 1) * self.batch_size
+        if start + self.batch_size > len(self.dataset):
+            return
+        batch = default_data_collator([self.dataset[i] for i in range(start, start + self.batch_size)])
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) for k, v in batch.items()}
+        gaps = recovery_gaps(model, self.owner.units, batch)
+        risk = [0.0] * len(self.owner.units)
+        decision = self.owner.last_decision
+        if decision is not None:
+            for i, r in zip(decision.top_units.tolist(), decision.top_risks.tolist(), strict=True):
+                risk[i] = r
+        self.records.append(
+            {
+                "step": step,
+                "gaps": [None if g != g else g for g in gaps.tolist()],
+                "risk": risk,
+                "scored": decision is not None and decision.n_scored > 0,
+                "active": [i for i, u in enumerate(self.owner.units) if u.in_recovery],
+            }
+        )
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        path = Path(args.output_dir) / "oracle.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            f.write(json.dumps({"type": "header", "units": [u.name for u in self.owner.units]}) + "\n")
+            for record in self.records:
+                f.write(json.dumps({"type": "probe", **record}) + "\n")
+
+
+def read_oracle(path: str | Path) -> tuple[list[str], list[dict[str, Any]]]:
+    """(unit names, probe records) of an `oracle.jsonl`; gaps are floats with NaN for missing ones."""
+    lines = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not lines or lines[0].get("type") != "header":
+        raise ValueError(f"read_oracle: {path} does not start with an oracle header line")
+    records = []
+    for line in lines[1:]:
+        line["gaps"] = [float("nan") if g is None else g for g in line["gaps"]]
+        records.append(line)
+    return lines[0]["units"], records
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 0..n-1 with ties given their average rank (as Spearman's correlation needs)."""
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x))
+    values = x[order]
+    start = 0
+    for end in range(1, len(x) + 1):
+        if end == len(x) or values[end] != values[start]:
+            ranks[order[start:end]] = (start + end - 1) / 2
+            start = end
+    return ranks
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation of two vectors (ties averaged); NaN when either is constant."""
+    ra, rb = _ranks(np.asarray(a, dtype=float)), _ranks(np.asarray(b, dtype=float))
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _top(x: np.ndarray, k: int) -> set[int]:
+    # Largest first, ties to the lower index: a stable sort of -x.
+    return set(np.argsort(-x, kind="stable")[:k].tolist())
+
+
+def oracle_agreement(records: Sequence[dict[str, Any]], k: int, samples: int = 200, seed: int = 0) -> dict[str, Any]:
+    """GNMR against the oracle over `records` (see the module docstring), beside random selection.
+
+    Only probes where GNMR had scores and every gap is finite count. Returns the number of probes used, mean
+    precision@k of GNMR's risk ranking and of random rankings (simulated with `samples` draws per probe; its
+    expectation is k / N), mean precision of the recovered set where non-empty, and mean Spearman correlation of
+    GNMR's risk and of random scores with the gaps.
+    """
+    rng = np.random.default_rng(seed)
+    precision, active_precision, rho, random_precision, random_rho = [], [], [], [], []
+    for record in records:
+        gaps = np.asarray(record["gaps"], dtype=float)
+        risk = np.asarray(record["risk"], dtype=float)
+        if not record.get("scored") or not np.isfinite(gaps).all():
+            continue
+        n = len(gaps)
+        top = _top(gaps, k)
+        precision.append(len(_top(risk, k) & top) / k)
+        rho.append(spearman(risk, gaps))
+        if record["active"]:
+            active_precision.append(len(set(record["active"]) & top) / len(record["active"]))
+        draws = rng.random((samples, n))
+        random_precision.append(float(np.mean([len(_top(d, k) & top) / k for d in draws])))
+        random_rho.append(float(np.nanmean([spearman(d, gaps) for d in draws[:20]])))
+
+    def mean(values: list[float]) -> float:
+        finite = [v for v in values if v == v]
+        return float(np.mean(finite)) if finite else float("nan")
+
+    return {
+        "probes": len(precision),
+        "k": k,
+        "precision_at_k": mean(precision),
+        "random_precision_at_k": mean(random_precision),
+        "recovered_set_precision": mean(active_precision),
+        "probes_with_recovered_units": len(active_precision),
+        "spearman": mean(rho),
+        "random_spearman": mean(random_rho),
+    }

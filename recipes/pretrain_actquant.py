@@ -1,0 +1,63 @@
+"""Pretrain a small byte-level LLaMA from scratch with saved activations at 4 bits (cheap) / 8 bits (recovery),
+arm against arm: the paper's first scenario at CPU scale.
+
+    python recipes/pretrain_actquant.py --preset tiny --output_dir runs/pretrain_tiny        # smoke test, < 1 min
+
+    python recipes/pretrain_actquant.py --output_dir runs/pretrain_attn --seeds 0 1 --learning_rate 3e-3 \\
+        --backend act_quant --backend_options 'kinds=linear;attention,low_bits=4,high_bits=8' \\
+        --arms static_high static_low gnmr --oracle_every 10 --trace_top_k 64
+
+Every arm trains the same model (same initialization per seed) on the same batches in the same order, with the
+transformers `Trainer` and `GNMRCallback` (or a baseline policy over the same units, `gnmr_hf.baselines`), and
+writes `<output_dir>/<arm>/seed<k>/result.json` and its GNMR trace. After its runs the recipe writes
+`<output_dir>/results.md` (the table over every result found in `output_dir`, so arms run by separate commands end
+up in one table) and `loss_curves.png`.
+
+Arms (`--arms`): reference (plain fp32 model, no units), static_high, static_low, gnmr, gnmr_relapse, random,
+carve_first_last, carve_best, carve_named, global_z. random and carve_first_last take GNMR's average number of
+recovered units of the same seed (`--budget` overrides it), so run gnmr first; carve_best keeps on the recovery path
+the units with the largest mean oracle gap of the gnmr run (needs `--oracle_every`); carve_named the units matching
+`--carve_named` regexes (e.g. `'self_attn$'`: every attention unit).
+
+Flags: `TrainingArguments` (a preset fills every one not given: steps, batch, learning rate, warm-up, evaluation;
+AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the CPU), `PretrainArguments`
+(`gnmr_hf.pretrain`: preset, arms, seeds, corpus, model size, oracle) and `GNMRConfig` (the controller and the
+backend; here `--backend act_quant` and its `--backend_options`, see `gnmr_hf.backends.act_quant`). Without
+`--include`, the units are the q/k/v/o/gate/up/down projections and the attention modules of every layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from gnmr_hf.pretrain import load_corpus, parse_recipe_arguments, run_comparison, write_report
+
+logger = logging.getLogger("gnmr_hf")
+
+PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$", r"\.self_attn$"]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    args, pretrain, config = parse_recipe_arguments(argv, backend="act_quant", include=PROJECTIONS)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    corpus = load_corpus(pretrain.corpus, pretrain.corpus_bytes)
+    logger.info(
+        "corpus %s: %d documents, %d training bytes, %d validation bytes (fingerprint %s); act_quant options %s",
+        corpus.source,
+        corpus.documents,
+        len(corpus.train),
+        len(corpus.validation),
+        corpus.fingerprint(),
+        config.backend_options,
+    )
+    root = Path(args.output_dir)
+    results = run_comparison(root, args=args, pretrain=pretrain, config=config, corpus=corpus)
+    print(write_report(root, plot=pretrain.plot))
+    return results
+
+
+if __name__ == "__main__":
+    main()

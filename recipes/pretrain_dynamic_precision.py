@@ -1,0 +1,63 @@
+"""Pretrain a small byte-level LLaMA from scratch with every block Linear's GEMMs (forward and backward) on
+block-scaled low-bit floats, DeepSeek-V3 style, arm against arm: the paper's second scenario at CPU scale.
+
+    python recipes/pretrain_dynamic_precision.py --preset tiny --output_dir runs/dynprec_tiny      # smoke test, ~1 min
+
+    python recipes/pretrain_dynamic_precision.py --output_dir runs/dynprec_fp4 --seeds 0 1 --learning_rate 5e-3 \\
+        --backend_options low_format=e2m1,high_format=e4m3 \\
+        --arms reference static_high static_low gnmr random carve_first_last global_z
+
+Every arm trains the same model (same initialization per seed) on the same batches in the same order, with the
+transformers `Trainer` and `GNMRCallback` (or a baseline policy over the same units, `gnmr_hf.baselines`), and writes
+`<output_dir>/<arm>/seed<k>/result.json` and its GNMR trace; then `<output_dir>/results.md` (the table over every
+result found in `output_dir`: validation loss and perplexity per byte, the share of the static low -> high gap
+closed, the fraction of unit-steps recovered, seconds per step) and `loss_curves.png`.
+
+Arms (`--arms`): reference (the plain FP32 model, no units: the 16-bit-or-better reference), static_high (every unit
+on `high_format`, FP8 e4m3 by default), static_low (every unit on `low_format`, FP6 e3m2 by default), gnmr,
+gnmr_relapse, random and carve_first_last (GNMR's mean budget of the same seed, so run gnmr first, or give
+`--budget`), carve_best (the units with the largest oracle gaps of the gnmr run; needs `--oracle_every`), global_z.
+
+Flags: `TrainingArguments` (the preset fills every one not given: steps, batch, learning rate, warm-up, evaluation;
+AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the CPU), `PretrainArguments`
+(`gnmr_hf.pretrain`: preset, arms, seeds, corpus, model size, oracle) and `GNMRConfig` (the controller and the
+backend: here `block_fp`, whose `--backend_options` are `low_format`, `high_format`, `scaling`, `quantize_lm_head`,
+`quantize_eval`, `signal`; see `gnmr_hf.backends.block_fp`). Without `--include`, the units are the
+q/k/v/o/gate/up/down projections of every layer; the embedding, the norms, attention and lm_head stay in FP32.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from gnmr_hf.pretrain import load_corpus, parse_recipe_arguments, run_comparison, write_report
+
+logger = logging.getLogger("gnmr_hf")
+
+PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    args, pretrain, config = parse_recipe_arguments(argv, backend="block_fp", include=PROJECTIONS)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    corpus = load_corpus(pretrain.corpus, pretrain.corpus_bytes)
+    logger.info(
+        "corpus %s: %d documents, %d training bytes, %d validation bytes (fingerprint %s); block_fp options %s",
+        corpus.source,
+        corpus.documents,
+        len(corpus.train),
+        len(corpus.validation),
+        corpus.fingerprint(),
+        config.backend_options,
+    )
+    root = Path(args.output_dir)
+    results = run_comparison(root, args=args, pretrain=pretrain, config=config, corpus=corpus)
+    print(write_report(root, plot=pretrain.plot))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The pretraining machinery: corpus, tokenizer, data order, model, baselines' budgets, and the recipe end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from gnmr_hf import GNMRConfig, find_units
+from gnmr_hf.baselines import (
+    FixedSetPolicy,
+    GlobalZScorePolicy,
+    PolicyController,
+    RandomPolicy,
+    StaticPolicy,
+    best_static_units,
+    first_last_units,
+)
+from gnmr_hf.pretrain import ByteTokenizer, block_dataset, llama_config, load_corpus
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "pretrain_actquant.py"
+
+
+def recipe():
+    spec = importlib.util.spec_from_file_location("pretrain_actquant", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("corpus")
+    for i in range(40):
+        (folder / f"doc{i:02d}.txt").write_text(f"document {i}: " + "the quick brown fox jumps. " * 80)
+    return folder
+
+
+def test_byte_tokenizer_round_trips_utf8():
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("héllo, wörld")
+    assert ids.dtype == torch.uint8 and len(ids) == len("héllo, wörld".encode())
+    assert tokenizer.decode(ids) == "héllo, wörld"
+
+
+def test_the_corpus_splits_by_document_so_no_validation_text_is_trained_on(text_dir):
+    corpus = load_corpus(str(text_dir), val_every=10)
+    train, val = bytes(corpus.train.tolist()).decode(), bytes(corpus.validation.tolist()).decode()
+    assert corpus.documents == 40
+    for i in range(40):
+        assert (f"document {i}:" in val) == (i % 10 == 0)
+        assert (f"document {i}:" in train) == (i % 10 != 0)
+
+
+def test_the_standard_library_corpus_is_python_source():
+    corpus = load_corpus("stdlib", max_bytes=50_000)
+    assert 50_000 <= len(corpus.train) < 200_000 and len(corpus.validation) > 0
+    assert b"def " in bytes(corpus.train[:50_000].tolist())
+
+
+def test_the_batch_order_depends_only_on_the_data_seed():
+    tokens = torch.arange(1000) % 256
+    a = block_dataset(tokens.to(torch.uint8), 10, 150, seed=3)
+    torch.manual_seed(123)  # another random stream moving must not matter
+    b = block_dataset(tokens.to(torch.uint8), 10, 150, seed=3)
+    c = block_dataset(tokens.to(torch.uint8), 10, 150, seed=4)
+    assert torch.equal(a.starts, b.starts) and not torch.equal(a.starts, c.starts)
+    # Non-overlapping blocks, each used once per pass over the data.
+    assert sorted(a.starts[:100].tolist()) == list(range(0, 1000, 10))
+    assert torch.equal(a[0]["input_ids"], a[0]["labels"])
+
+
+def test_the_llama_config_has_the_asked_shape():
+    config = llama_config(d_model=96, n_layers=3, n_heads=3, seq_len=64)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (96, 3, 3)
+    assert config.intermediate_size == 256 and config.vocab_size == 256 and config.attention_dropout == 0.0
+
+
+# -------------------------------------------------------------------------------------------------- baselines
+
+
+def controller_for(policy, n=8, **config):
+    units = find_units(nn.Sequential(*[nn.Linear(2, 2) for _ in range(n)]), "act_quant")
+    policy.bind(units, torch.device("cpu"))
+    cfg = GNMRConfig(backend="act_quant", **config)
+    return PolicyController(cfg, n, policy), units
+
+
+def run_policy(controller, steps, spike_at=None, spike_unit=0, n=8):
+    actives = []
+    torch.manual_seed(0)
+    for t in range(1, steps + 1):
+        norms = 1.0 + 0.05 * torch.rand(n)
+        if spike_at is not None and t == spike_at:
+            norms[spike_unit] = 50.0
+        actives.append(controller.observe(norms).active.clone())
+    return torch.stack(actives)
+
+
+def test_static_policies_recover_every_unit_or_none():
+    high, _ = controller_for(StaticPolicy(high=True))
+    low, _ = controller_for(StaticPolicy(high=False))
+    assert high.active.all() and run_policy(high, 5).all()
+    assert not low.active.any() and not run_policy(low, 5).any()
+
+
+def test_random_selection_spends_the_mean_budget_and_never_exceeds_max_active():
+    controller, _ = controller_for(RandomPolicy(mean_active=1.5, max_active=3, lock_steps=4, seed=0))
+    active = run_policy(controller, 400)  # active[i] is the set decided at step i + 1
+    counts = active.sum(1).float()
+    assert counts.max() <= 3 and abs(counts.mean().item() - 1.5) < 0.2
+    # Held for lock_steps: a new draw only at decision steps 4, 8, 12, ...
+    changes = (active[1:] != active[:-1]).any(1).nonzero().flatten() + 1
+    assert len(changes) > 0 and all((int(c) + 1) % 4 == 0 for c in changes)
+
+
+def test_a_fixed_carve_out_keeps_exactly_its_units():
+    controller, units = controller_for(FixedSetPolicy(["1", "5"]))
+    assert run_policy(controller, 5).nonzero()[:, 1].unique().tolist() == [1, 5]
+    with pytest.raises(ValueError, match="not units"):
+        FixedSetPolicy(["nope"]).bind(units, torch.device("cpu"))
+
+
+def test_the_first_last_carve_out_alternates_the_end_layers():
+    names = [f"model.layers.{i}.{p}" for i in range(4) for p in ("self_attn", "mlp.up_proj", "mlp.down_proj")]
+    assert first_last_units(names, 3) == [
+        "model.layers.0.self_attn",
+        "model.layers.3.self_attn",
+        "model.layers.0.mlp.up_proj",
+    ]
+
+
+def test_the_best_static_carve_out_takes_the_largest_mean_gaps():
+    gaps = {"a": 0.1, "b": 3.0, "c": float("nan"), "d": 2.0}
+    assert best_static_units(gaps, 2) == ["b", "d"]
+
+
+def test_the_global_z_score_detector_fires_on_a_total_norm_spike_within_the_budget():
+    policy = GlobalZScorePolicy(max_active=2, lock_steps=3, warmup=10)
+    controller, _ = controller_for(policy)
+    active = run_policy(controller, 40, spike_at=30, spike_unit=6)
+    assert not active[:29].any()
+    assert active[29, 6] and active[29].sum() == 2  # the spiking unit and the next largest norm
+    assert active[30:32].any(1).all() and not active[33:].any()
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture
+def one_thread():
+    # The tiny model's ops are microseconds long: a second OpenMP thread only adds barrier waits, which cost
+    # milliseconds each on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_tiny_preset_runs_end_to_end(tmp_path, text_dir, one_thread):
+    out = tmp_path / "run"
+    results = recipe().main(
+        [
+            *("--preset", "tiny", "--output_dir", str(out), "--corpus", str(text_dir)),
+            *("--arms", "static_low", "gnmr", "random", "--max_steps", "6", "--eval_steps", "3"),
+            *("--oracle_every", "3", "--trace_top_k", "64", "--backend_options", "kinds=linear;attention"),
+        ]
+    )
+    assert [r["arm"] for r in results] == ["static_low", "gnmr", "random"]
+    assert all(r["final_eval_loss"] < 5.6 for r in results)  # below ln(256): it learned something
+    gnmr = json.loads((out / "gnmr" / "seed0" / "result.json").read_text())
+    assert gnmr["units"] == 2 * (1 + 7) and gnmr["saved_bytes_per_step"] > 0
+    assert len((out / "gnmr" / "seed0" / "oracle.jsonl").read_text().splitlines()) == 1 + 2
+    table = (out / "results.md").read_text()
+    assert table.count("\n") == 2 + 3 and (out / "loss_curves.png").is_file()
