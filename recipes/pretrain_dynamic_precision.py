@@ -24,24 +24,44 @@ AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the 
 backend: here `block_fp`, whose `--backend_options` are `low_format`, `high_format`, `scaling`, `quantize_lm_head`,
 `quantize_eval`, `signal`; see `gnmr_hf.backends.block_fp`). Without `--include`, the units are the
 q/k/v/o/gate/up/down projections of every layer; the embedding, the norms, attention and lm_head stay in FP32.
+With `quantize_lm_head=true` and no `--include`, lm_head joins the projections (the option would otherwise be
+filtered out by that default without a word).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 
+from gnmr_hf import GNMRConfig
+from gnmr_hf.backends.block_fp import BlockFPOptions
 from gnmr_hf.pretrain import load_corpus, parse_recipe_arguments, run_comparison, write_report
 
 logger = logging.getLogger("gnmr_hf")
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
+LM_HEAD = r"^lm_head$"
+
+
+def with_output_head(config: GNMRConfig, argv: list[str]) -> GNMRConfig:
+    """`config`, with lm_head added to the default include when `quantize_lm_head=true` and `--include` was not
+    given; an explicit `--include` is the user's choice and is kept as it is."""
+    include_given = any(a == "--include" or a.startswith("--include=") for a in argv)
+    if (
+        config.backend != "block_fp"
+        or include_given
+        or not BlockFPOptions.parse(config.backend_options).quantize_lm_head
+    ):
+        return config
+    return dataclasses.replace(config, include=[*(config.include or PROJECTIONS), LM_HEAD])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     args, pretrain, config = parse_recipe_arguments(argv, backend="block_fp", include=PROJECTIONS)
+    config = with_output_head(config, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     corpus = load_corpus(pretrain.corpus, pretrain.corpus_bytes)
     logger.info(

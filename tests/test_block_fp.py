@@ -6,6 +6,7 @@ is tested in tests/test_quant.py; here it is the backend's use of it."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -85,6 +86,29 @@ def test_only_block_linears_are_units_and_lm_head_joins_only_when_asked():
         unit.close()
 
 
+def test_the_recipe_adds_lm_head_to_its_default_units_when_quantize_lm_head_is_set():
+    module = recipe()
+    model = tiny_llama()
+
+    def names(argv):
+        config = GNMRConfig(backend="block_fp", backend_options="low_format=e2m1,quantize_lm_head=true")
+        config = module.with_output_head(dataclasses.replace(config, include=module.PROJECTIONS), argv)
+        units = find_units(
+            model, "block_fp", include=config.include, exclude=config.exclude, backend_options=config.backend_options
+        )
+        try:
+            return [u.name for u in units]
+        finally:
+            for unit in units:
+                unit.close()
+
+    # Without the fix the projection-only default include would filter the head out without a word.
+    assert names([]) == [*names(["--include", module.PROJECTIONS[0]]), "lm_head"]
+    assert len(names(["--include", module.PROJECTIONS[0]])) == 2 * 7  # an explicit --include is kept as given
+    plain = GNMRConfig(backend="block_fp", backend_options="low_format=e2m1", include=module.PROJECTIONS)
+    assert module.with_output_head(plain, []) is plain
+
+
 # ------------------------------------------------------------------------------------------ what is rounded how
 
 
@@ -124,34 +148,51 @@ def test_an_outlier_coarsens_only_its_own_tiles():
     assert (dw0 != dw1).any(0).nonzero().flatten().tolist() == [3]
 
 
-def element_bound(t: torch.Tensor, fmt: str, block: tuple[int, int]) -> torch.Tensor:
-    """|round(t) - t| <= this, per element, in float64: half a quantum of the format at t / scale, times scale."""
+def element_bound(t: torch.Tensor, fmt: str, block: tuple[int, int], scale: str = "fp32") -> torch.Tensor:
+    """|round(t) - t| <= this, per element, in float64: half a quantum of the format at t / scale, times scale; with
+    MX's power-of-two scales the largest elements of a block can lie above the format's max and saturate, so the
+    bound is at least |t| - max * scale there."""
     t = t.double()
     if fmt == "bf16":
         return t.abs() * 2.0**-8
     f = FORMATS[fmt]
-    _, s = quantize_blocks(t.float(), fmt, block, return_scales=True)
+    _, s = quantize_blocks(t.float(), fmt, block, scale=scale, return_scales=True)
     s = s.double().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: t.shape[0], : t.shape[1]]
-    return torch.maximum(t.abs() * 2.0 ** -(f.man_bits + 1), s * 2.0 ** (f.emin - f.man_bits - 1))
+    rounding = torch.maximum(t.abs() * 2.0 ** -(f.man_bits + 1), s * 2.0 ** (f.emin - f.man_bits - 1))
+    return torch.maximum(rounding, t.abs() - f.max_finite * s)
 
 
-def gemm_bound(a, block_a, b, block_b, fmt):
+def gemm_bound(a, block_a, b, block_b, fmt, scale="fp32"):
     """Bound on |round(a) @ round(b) - a @ b|: |ea| |b| + |a| |eb| + |ea| |eb|, plus float32 accumulation."""
-    ea, eb = element_bound(a, fmt, block_a), element_bound(b, fmt, block_b)
+    ea, eb = element_bound(a, fmt, block_a, scale), element_bound(b, fmt, block_b, scale)
     a, b = a.double().abs(), b.double().abs()
     return ea @ b + a @ eb + ea @ eb + a.shape[1] * 2.0**-23 * ((a + ea) @ (b + eb))
 
 
-@pytest.mark.parametrize("fmt", ["e2m1", "e2m3", "e3m2", "e4m3", "e5m2", "bf16"])
-def test_gradients_are_within_the_formats_bound_of_a_float64_reference(fmt):
+@pytest.mark.parametrize(
+    ("fmt", "scaling"),
+    [(f, "fp32") for f in ("e2m1", "e2m3", "e3m2", "e4m3", "e5m2", "bf16")]
+    + [(f, "mx") for f in ("e2m1", "e2m3", "e3m2", "e4m3", "e5m2")],
+)
+def test_gradients_are_within_the_formats_bound_of_a_float64_reference(fmt, scaling):
     x, w, b, dy = operands(seed=1)
-    y, dx, dw, _ = run(x, w, b, dy, GemmFormat(fmt, "fp32"))
+    y, dx, dw, _ = run(x, w, b, dy, GemmFormat(fmt, scaling))
     x2, g2 = x.reshape(-1, 256).double(), dy.reshape(-1, 192).double()
     w64 = w.double()
+    # Blocks of each GEMM input as the bound sees it (the second input of the fprop is W^T): DeepSeek-V3's tiles and
+    # symmetric weight blocks, or MX's 32 elements along the contraction dimension.
+    if scaling == "fp32":
+        blocks, scale = {"x": (1, 128), "wT": (128, 128), "w": (128, 128), "wgrad": (128, 1)}, "fp32"
+    else:
+        blocks, scale = {"x": (1, 32), "wT": (32, 1), "w": (32, 1), "wgrad": (32, 1)}, "pow2"
     checks = {
-        "y": (y.reshape(-1, 192), x2 @ w64.t() + b.double(), gemm_bound(x2, (1, 128), w64.t(), (128, 128), fmt)),
-        "dx": (dx.reshape(-1, 256), g2 @ w64, gemm_bound(g2, (1, 128), w64, (128, 128), fmt)),
-        "dW": (dw, g2.t() @ x2, gemm_bound(g2.t(), (1, 128), x2, (128, 1), fmt)),
+        "y": (
+            y.reshape(-1, 192),
+            x2 @ w64.t() + b.double(),
+            gemm_bound(x2, blocks["x"], w64.t(), blocks["wT"], fmt, scale),
+        ),
+        "dx": (dx.reshape(-1, 256), g2 @ w64, gemm_bound(g2, blocks["x"], w64, blocks["w"], fmt, scale)),
+        "dW": (dw, g2.t() @ x2, gemm_bound(g2.t(), blocks["x"], x2, blocks["wgrad"], fmt, scale)),
     }
     for name, (got, exact, bound) in checks.items():
         error = (got.double() - exact).abs()
