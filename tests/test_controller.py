@@ -617,3 +617,52 @@ def test_revert_undoes_the_relapse_record_of_the_last_step():
 def test_relapse_lock_options_are_validated_with_errors_naming_the_field(overrides, error, message):
     with pytest.raises(error, match=message):
         GNMRConfig(**overrides)
+
+
+# --------------------------------------------------------------------------------- the top-k above _SORT_UP_TO
+
+
+def _keys(kind: str, n: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "distinct":
+        return torch.rand(n, generator=g, dtype=torch.float64)
+    if kind == "few values":  # ties everywhere, also at the k-th place
+        return torch.randint(0, 4, (n,), generator=g).double()
+    if kind == "fewer candidates than k":  # most keys -1 (non-candidates), two +inf (broken norms)
+        key = torch.full((n,), -1.0, dtype=torch.float64)
+        key[torch.randperm(n, generator=g)[:3]] = torch.rand(3, generator=g, dtype=torch.float64)
+        key[[7, n - 1]] = INF
+        return key
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["distinct", "few values", "fewer candidates than k"])
+@pytest.mark.parametrize("n", [4097, 20_000])
+@pytest.mark.parametrize("k", [0, 1, 4, 16])
+def test_top_indices_is_exactly_a_stable_descending_argsort(kind, n, k):
+    from gnmr_hf.controller import _SORT_UP_TO, top_indices
+
+    assert n > _SORT_UP_TO  # the topk path
+    key = _keys(kind, n, torch.Generator().manual_seed(n + k))
+    assert torch.equal(top_indices(key, k), torch.argsort(key, descending=True, stable=True)[:k])
+
+
+def test_decisions_above_the_sort_threshold_are_those_of_the_sort(monkeypatch):
+    import gnmr_hf.controller as controller_module
+
+    n = 6000
+    stream = random_stream(30, n, seed=3)
+    stream[:, 100:200] = stream[:, 100:101]  # a block of units with identical norms: equal risks, ties
+    config = GNMRConfig(max_active=8, window=3, min_history=2)
+
+    def decide():
+        controller = GNMRController(config, n)
+        return [controller.observe(row) for row in stream]
+
+    fast = decide()
+    monkeypatch.setattr(controller_module, "_SORT_UP_TO", 10**9)
+    sorted_ = decide()
+    assert any(d.entered.any() for d in fast)
+    for a, b in zip(fast, sorted_, strict=True):
+        assert torch.equal(a.active, b.active) and torch.equal(a.locks, b.locks)
+        host_a, host_b = a.to_host(top_k=16), b.to_host(top_k=16)
+        assert np.array_equal(host_a.top_units, host_b.top_units)
