@@ -58,12 +58,14 @@ def test_ddp_ranks_read_the_same_norms_and_take_the_same_decisions(tiny_llama_di
     assert "output_grad" in ranks(tmp_path, "meters_")[0]["signals"]
 
 
-def test_fsdp2_sharded_norms_equal_the_unsharded_norms_and_ranks_agree(tmp_path):
+@pytest.mark.parametrize("backend", ["act_quant", "block_fp", "bf16_cast"])
+def test_fsdp2_sharded_norms_equal_the_unsharded_norms_and_ranks_agree(tmp_path, backend):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     port = ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    launch([*torchrun, *port, str(WORKERS / "fsdp2_worker.py"), str(tmp_path)])
+    launch([*torchrun, *port, str(WORKERS / "fsdp2_worker.py"), str(tmp_path), backend])
     zero, one = ranks(tmp_path)
     assert zero["sharded"] and one["sharded"]  # the gradients really were DTensor shards
+    assert len(zero["names"]) == 14 and zero["names"] == one["names"]  # 2 layers x 7 projections, lm_head excluded
     for a, b in zip(zero["records"], one["records"], strict=True):
         assert a == b  # bit-identical norms and decisions on both ranks
         assert a["norms"] == pytest.approx(a["reference"], rel=1e-5)  # = DTensor.full_tensor() norms

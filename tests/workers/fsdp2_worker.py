@@ -1,11 +1,12 @@
 """Worker for tests/test_distributed.py: GNMR on an FSDP2-sharded model, 2 CPU processes with gloo.
 
-    torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port PORT tests/workers/fsdp2_worker.py OUT_DIR
+    torchrun --nproc_per_node 2 --master_port PORT tests/workers/fsdp2_worker.py OUT_DIR BACKEND
 
 accelerate selects FSDP only for accelerator devices (on a CPU it stays MULTI_CPU and runs DDP, silently ignoring
 an FSDP config; see docs/reliability.md), so the Trainer cannot run FSDP here. This worker therefore drives the
 callback's own machinery in a plain training loop over a model sharded with `fully_shard`: `GNMRCallback` finds
-the units (a precision backend on full-precision weights, registered here from outside the package), reads the
+the units (BACKEND: `act_quant` or `block_fp`, the pretraining backends users shard, or `bf16_cast`, a precision
+backend on full-precision weights registered here from outside the package), reads the
 norms at the end of each backward pass (after FSDP2's reduce-scatter) and decides. Each rank writes, per step, the
 norms GNMR read, the reference norms from DTensor's own `full_tensor()`, and the decision.
 """
@@ -26,7 +27,7 @@ from torch import nn
 
 
 def main() -> None:
-    out_dir = sys.argv[1]
+    out_dir, backend = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     from torch.distributed.device_mesh import init_device_mesh
@@ -86,7 +87,8 @@ def main() -> None:
             min_history=2,
             alpha=3.0,
             beta=3.0,
-            backend="bf16_cast",
+            backend=backend,
+            exclude=[r"lm_head$"],
             trace_file="",
         )
     )
