@@ -61,7 +61,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..quant import QuantizedTensor, quantize_absmax, quantized_nbytes
 from ..units import Backend, BackendOptions, DispatchContext, RecoverableUnit, RecoveryLedger, display_name
-from .adapters import SIGNALS, resolve_signal, tuner_layer
+from .adapters import SIGNALS, resolve_signal, signal_option, tuner_layer
 from .switch import SwitchedUnit
 
 __all__ = [
@@ -124,13 +124,7 @@ class ActQuantOptions(BackendOptions):
         default=False,
         metadata={"help": "Attention backward: divide the recomputed probabilities by their row sum (ablation)."},
     )
-    signal: str = field(
-        default="auto",
-        metadata={
-            "help": "Gradient a linear unit is scored on: 'lora', 'weight', 'output_grad' or 'auto' (lora, else "
-            "weight, else output_grad). Attention units are scored on their q/k/v projection weights."
-        },
-    )
+    signal: str = signal_option(note=" Linear units only: attention units use their q/k/v projection weights.")
 
     def __post_init__(self) -> None:
         self.check_choice("low_bits", BITS)

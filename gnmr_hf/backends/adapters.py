@@ -11,7 +11,7 @@ without it no module has a tuner layer.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,10 +19,21 @@ from torch import nn
 
 from ..units import DispatchContext
 
-__all__ = ["SIGNALS", "Signal", "active_adapters", "adapter_tensors", "resolve_signal", "tuner_layer"]
+__all__ = ["SIGNALS", "Signal", "active_adapters", "adapter_tensors", "resolve_signal", "signal_option", "tuner_layer"]
 
 # The gradient a linear-like unit can be scored on; "auto" picks the first that exists in this order.
 SIGNALS = ("auto", "lora", "weight", "output_grad")
+
+
+def signal_option(weight: str = "its own trainable weight", note: str = "") -> Any:
+    """The `signal` field every backend's options declare (validated with `check_choice("signal", SIGNALS)`)."""
+    return field(
+        default="auto",
+        metadata={
+            "help": f"The gradient a unit is scored on: 'lora' (its LoRA parameters), 'weight' ({weight}), "
+            f"'output_grad' (the gradient of its output), or 'auto' (lora, else weight, else output_grad).{note}"
+        },
+    )
 
 
 def tuner_layer(ctx: DispatchContext, module: nn.Module) -> nn.Module | None:

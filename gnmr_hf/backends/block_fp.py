@@ -70,7 +70,7 @@ from torch import nn
 
 from ..quant import FORMATS, quantize_blocks
 from ..units import Backend, BackendOptions, DispatchContext, display_name
-from .adapters import SIGNALS, resolve_signal, tuner_layer
+from .adapters import SIGNALS, resolve_signal, signal_option, tuner_layer
 from .switch import SwitchedUnit
 
 __all__ = [
@@ -195,13 +195,7 @@ class BlockFPOptions(BackendOptions):
         default=False,
         metadata={"help": "In eval mode, quantize as in training (default: eval runs the plain F.linear)."},
     )
-    signal: str = field(
-        default="auto",
-        metadata={
-            "help": "The gradient a unit is scored on: 'lora', 'weight', 'output_grad' or 'auto' (lora, else "
-            "weight, else output_grad)."
-        },
-    )
+    signal: str = signal_option()
 
     def __post_init__(self) -> None:
         self.check_choice("low_format", sorted(FORMATS))

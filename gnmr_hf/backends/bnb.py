@@ -85,7 +85,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..units import Backend, BackendOptions, DispatchContext, display_name
-from .adapters import SIGNALS, resolve_signal, tuner_layer
+from .adapters import SIGNALS, resolve_signal, signal_option, tuner_layer
 from .checkpoint import CheckpointSource
 from .switch import SwitchedUnit
 
@@ -133,13 +133,7 @@ class BnbOptions(BackendOptions):
             "'dequantize' (the quantized weight and its scales), or 'auto' (checkpoint when it matches)."
         },
     )
-    signal: str = field(
-        default="auto",
-        metadata={
-            "help": "The gradient a unit is scored on: 'lora' (its LoRA parameters), 'weight' (its own trainable "
-            "weight), 'output_grad' (the gradient of its output), or 'auto' (lora, else weight, else output_grad)."
-        },
-    )
+    signal: str = signal_option()
 
     def __post_init__(self) -> None:
         self.check_choice("source", SOURCES)

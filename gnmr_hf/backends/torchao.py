@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..units import Backend, BackendOptions, DispatchContext, display_name
-from .adapters import SIGNALS, resolve_signal, tuner_layer
+from .adapters import SIGNALS, resolve_signal, signal_option, tuner_layer
 from .switch import SwitchedUnit
 
 __all__ = ["TORCHAO_FLOAT8", "Float8Options", "Float8Unit", "dispatch_torchao_float8", "is_torchao_available"]
@@ -66,13 +66,7 @@ class Float8Options(BackendOptions):
 
     backend: ClassVar[str] = "torchao_float8"
 
-    signal: str = field(
-        default="auto",
-        metadata={
-            "help": "The gradient a unit is scored on: 'lora' (its LoRA parameters), 'weight' (its master "
-            "weight), 'output_grad' (the gradient of its output), or 'auto' (lora, else weight, else output_grad)."
-        },
-    )
+    signal: str = signal_option("its master weight")
 
     def __post_init__(self) -> None:
         self.check_choice("signal", SIGNALS)
