@@ -359,38 +359,3 @@ def test_trainer_moves_the_spiked_4bit_unit_at_the_next_step_within_the_memory_b
     ledger = gnmr.units[0].ledger
     assert 0 < ledger.peak_bytes <= CFG["max_active"] * max(unit.recovery_bytes() for unit in gnmr.units)
     assert ledger.live_bytes == 0
-
-
-def test_sft_trainer_runs_gnmr_on_a_4bit_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    trl = pytest.importorskip("trl")
-    from datasets import Dataset
-
-    from gnmr_hf.demo import GradientSpikeCallback
-    from gnmr_hf.tiny import char_tokenizer, write_local_text
-    from gnmr_hf.trace import read_trace
-
-    lines = write_local_text(tmp_path / "train.txt", lines=64).read_text().splitlines()
-    gnmr = GNMRCallback(GNMRConfig(backend="bnb_4bit", max_active=2, lock_steps=2, window=2, min_history=2))
-    spiked = "model.layers.0.self_attn.v_proj"
-    args = trl.SFTConfig(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        max_steps=8,
-        per_device_train_batch_size=4,
-        max_length=32,
-        logging_steps=2,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-    )
-    trainer = trl.SFTTrainer(
-        model=load(tiny_llama_dir),
-        args=args,
-        train_dataset=Dataset.from_dict({"text": lines}),
-        processing_class=char_tokenizer(),
-        callbacks=[gnmr, GradientSpikeCallback(spiked, step=5)],
-    )
-    trainer.train()
-    header, steps = read_trace(tmp_path / "gnmr_trace.jsonl")
-    assert header["config"]["backend"] == "bnb_4bit" and len(steps) == 8
-    assert header["units"].index(spiked) in steps[4]["entered"]
