@@ -19,6 +19,24 @@ def tiny_llama_dir(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
+@pytest.fixture(scope="session")
+def biased_llama_dir(tmp_path_factory):
+    """A tiny LLaMA whose linears have non-zero biases (the default init zeros them, which would hide bias bugs)."""
+    from transformers import AutoModelForCausalLM
+
+    from gnmr_hf.tiny import build_tiny_llama
+
+    path = build_tiny_llama(tmp_path_factory.mktemp("biased_llama"), attention_bias=True, mlp_bias=True)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_()
+    model.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     """Byte-tokenized local text for the Trainer tests."""

@@ -41,22 +41,6 @@ TARGETS = [
 NAMES = [f"model.layers.{layer}.{target}" for layer in range(2) for target in TARGETS]
 
 
-@pytest.fixture(scope="module")
-def biased_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny LLaMA whose linears have non-zero biases (the default init zeros them, which would hide bias bugs)."""
-    from transformers import AutoModelForCausalLM
-
-    path = build_tiny_llama(tmp_path_factory.mktemp("biased_llama"), attention_bias=True, mlp_bias=True)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_()
-    model.save_pretrained(path)
-    return path
-
-
 def token_ids(seed: int = 0, batch: int = 2, length: int = 12) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (batch, length), generator=generator)

@@ -39,22 +39,6 @@ VARIANTS = [("nf4", False), ("nf4", True), ("fp4", False), ("fp4", True)]
 VARIANT_IDS = [f"{quant_type}{'-double_quant' if double else ''}" for quant_type, double in VARIANTS]
 
 
-@pytest.fixture(scope="module")
-def biased_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny LLaMA whose linears have non-zero biases (the default init zeros them, which would hide bias bugs)."""
-    from transformers import AutoModelForCausalLM
-
-    path = build_tiny_llama(tmp_path_factory.mktemp("biased_llama"), attention_bias=True, mlp_bias=True)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_()
-    model.save_pretrained(path)
-    return path
-
-
 def load(path: Path, quant_type: str = "nf4", double_quant: bool = False) -> nn.Module:
     # Train mode, as under a Trainer: on CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit weight in place on an
     # eval-mode forward without gradients, and these tests compare the 4-bit state before and after forwards.
