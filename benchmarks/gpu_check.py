@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, TrainerCallback
 
+from gnmr_hf.tiny import TINY_LLAMA
+
 SIZES = {
     # TinyLlama-1.1B's shape: grouped-query attention (4 KV heads), 154 INT8 linear layers.
     "1b": dict(
@@ -50,15 +52,7 @@ SIZES = {
         num_key_value_heads=4,
         max_position_embeddings=2048,
     ),
-    "tiny": dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-    ),
+    "tiny": {**TINY_LLAMA, "max_position_embeddings": 512},
 }
 MODES = ("plain", "monitor_only", "active")
 SYNC_WARNING = "called a synchronizing CUDA operation"
