@@ -82,6 +82,7 @@ __all__ = [
     "results_table",
     "run_arm",
     "run_comparison",
+    "run_recipe",
     "training_arguments",
     "write_report",
 ]
@@ -764,6 +765,27 @@ def run_comparison(
             )
             logger.info("arm %s seed %d: final validation loss %.4f", arm, seed, result["final_eval_loss"])
             results.append(result)
+    return results
+
+
+def run_recipe(args: TrainingArguments, pretrain: PretrainArguments, config: GNMRConfig) -> list[dict[str, Any]]:
+    """What a pretraining recipe does once its flags are parsed: load the corpus (logged with its fingerprint),
+    run every arm and seed under `args.output_dir`, print the table (and write the plot), return the results."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    corpus = load_corpus(pretrain.corpus, pretrain.corpus_bytes)
+    logger.info(
+        "corpus %s: %d documents, %d training bytes, %d validation bytes (fingerprint %s); %s options %s",
+        corpus.source,
+        corpus.documents,
+        len(corpus.train),
+        len(corpus.validation),
+        corpus.fingerprint(),
+        config.backend,
+        config.backend_options,
+    )
+    root = Path(args.output_dir)
+    results = run_comparison(root, args=args, pretrain=pretrain, config=config, corpus=corpus)
+    print(write_report(root, plot=pretrain.plot))
     return results
 
 

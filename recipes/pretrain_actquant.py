@@ -28,13 +28,9 @@ backend; here `--backend act_quant` and its `--backend_options`, see `gnmr_hf.ba
 
 from __future__ import annotations
 
-import logging
 import sys
-from pathlib import Path
 
-from gnmr_hf.pretrain import load_corpus, parse_recipe_arguments, run_comparison, write_report
-
-logger = logging.getLogger("gnmr_hf")
+from gnmr_hf.pretrain import parse_recipe_arguments, run_recipe
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$", r"\.self_attn$"]
 
@@ -42,21 +38,7 @@ PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$", r"\.self_attn$"]
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     args, pretrain, config = parse_recipe_arguments(argv, backend="act_quant", include=PROJECTIONS)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    corpus = load_corpus(pretrain.corpus, pretrain.corpus_bytes)
-    logger.info(
-        "corpus %s: %d documents, %d training bytes, %d validation bytes (fingerprint %s); act_quant options %s",
-        corpus.source,
-        corpus.documents,
-        len(corpus.train),
-        len(corpus.validation),
-        corpus.fingerprint(),
-        config.backend_options,
-    )
-    root = Path(args.output_dir)
-    results = run_comparison(root, args=args, pretrain=pretrain, config=config, corpus=corpus)
-    print(write_report(root, plot=pretrain.plot))
-    return results
+    return run_recipe(args, pretrain, config)
 
 
 if __name__ == "__main__":

@@ -31,15 +31,11 @@ filtered out by that default without a word).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
-from pathlib import Path
 
 from gnmr_hf import GNMRConfig
 from gnmr_hf.backends.block_fp import BlockFPOptions
-from gnmr_hf.pretrain import load_corpus, parse_recipe_arguments, run_comparison, write_report
-
-logger = logging.getLogger("gnmr_hf")
+from gnmr_hf.pretrain import parse_recipe_arguments, run_recipe
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
 LM_HEAD = r"^lm_head$"
@@ -62,21 +58,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     args, pretrain, config = parse_recipe_arguments(argv, backend="block_fp", include=PROJECTIONS)
     config = with_output_head(config, argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    corpus = load_corpus(pretrain.corpus, pretrain.corpus_bytes)
-    logger.info(
-        "corpus %s: %d documents, %d training bytes, %d validation bytes (fingerprint %s); block_fp options %s",
-        corpus.source,
-        corpus.documents,
-        len(corpus.train),
-        len(corpus.validation),
-        corpus.fingerprint(),
-        config.backend_options,
-    )
-    root = Path(args.output_dir)
-    results = run_comparison(root, args=args, pretrain=pretrain, config=config, corpus=corpus)
-    print(write_report(root, plot=pretrain.plot))
-    return results
+    return run_recipe(args, pretrain, config)
 
 
 if __name__ == "__main__":
