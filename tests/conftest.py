@@ -44,3 +44,22 @@ def dataset(tmp_path_factory):
     from gnmr_hf.tiny import write_local_text
 
     return byte_dataset(write_local_text(tmp_path_factory.mktemp("data") / "train.txt", lines=128))
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory):
+    """A folder of 40 small local text files: a corpus for the pretraining recipes."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for i in range(40):
+        (folder / f"doc{i:02d}.txt").write_text(f"document {i}: " + "the quick brown fox jumps. " * 80)
+    return folder
+
+
+@pytest.fixture
+def one_thread():
+    # The tiny model's ops are microseconds long: a second OpenMP thread only adds barrier waits, which cost
+    # milliseconds each on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

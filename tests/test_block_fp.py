@@ -7,9 +7,7 @@ is tested in tests/test_quant.py; here it is the backend's use of it."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,8 @@ from gnmr_hf.backends.block_fp import BlockFPOptions, GemmFormat, block_fp_linea
 from gnmr_hf.pretrain import build_model, llama_config
 from gnmr_hf.quant import FORMATS, quantize_blocks
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "pretrain_dynamic_precision.py"
+from trainer_utils import load_recipe
+
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
 
 
@@ -294,26 +293,7 @@ def test_eval_mode_runs_the_plain_matmul_unless_quantize_eval():
 
 
 def recipe():
-    spec = importlib.util.spec_from_file_location("pretrain_dynamic_precision", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def text_dir(tmp_path):
-    for i in range(40):
-        (tmp_path / f"doc{i:02d}.txt").write_text(f"document {i}: " + "the quick brown fox jumps. " * 80)
-    return tmp_path
-
-
-@pytest.fixture
-def one_thread():
-    # The tiny model's ops take microseconds: a second OpenMP thread only adds barrier waits on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    return load_recipe("pretrain_dynamic_precision")
 
 
 def test_the_tiny_preset_runs_end_to_end(tmp_path, text_dir, one_thread):

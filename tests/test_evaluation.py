@@ -8,7 +8,6 @@ takes ~15 s, and the CLI test pays it once, on the real path, as a user would.
 from __future__ import annotations
 
 import copy
-import functools
 import importlib
 import importlib.util
 import json
@@ -36,6 +35,8 @@ from gnmr_hf.evaluation import (
     write_results,
 )
 from gnmr_hf.tiny import build_tiny_llama, char_tokenizer
+
+from trainer_utils import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 2
@@ -147,13 +148,8 @@ def _perplexity(model, **kwargs) -> dict:
     return evaluate_model(model, tasks=PERPLEXITY_TASK, limit=LIMIT, device="cpu", **kwargs)
 
 
-@functools.cache
 def _recipe():
-    spec = importlib.util.spec_from_file_location("gnmr_evaluate_recipe", ROOT / "recipes" / "evaluate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building EvaluateArguments
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe("evaluate")
 
 
 def test_local_tasks_mirror_lm_eval_own_configs(tmp_path):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,22 +20,11 @@ from gnmr_hf.baselines import (
 )
 from gnmr_hf.pretrain import ByteTokenizer, block_dataset, llama_config, load_corpus
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "pretrain_actquant.py"
+from trainer_utils import load_recipe
 
 
 def recipe():
-    spec = importlib.util.spec_from_file_location("pretrain_actquant", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    for i in range(40):
-        (folder / f"doc{i:02d}.txt").write_text(f"document {i}: " + "the quick brown fox jumps. " * 80)
-    return folder
+    return load_recipe("pretrain_actquant")
 
 
 def test_byte_tokenizer_round_trips_utf8():
@@ -149,16 +136,6 @@ def test_the_global_z_score_detector_fires_on_a_total_norm_spike_within_the_budg
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-
-
-@pytest.fixture
-def one_thread():
-    # The tiny model's ops are microseconds long: a second OpenMP thread only adds barrier waits, which cost
-    # milliseconds each on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_the_tiny_preset_runs_end_to_end(tmp_path, text_dir, one_thread):

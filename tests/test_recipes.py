@@ -8,8 +8,6 @@ two-process test launches the recipe as users do, with the shipped CPU config (g
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 import json
 import os
 import socket
@@ -26,6 +24,8 @@ from gnmr_hf.evaluation import PERPLEXITY_TASK, evaluate_model, write_local_task
 from gnmr_hf.tiny import char_tokenizer
 from gnmr_hf.trace import read_trace
 
+from trainer_utils import load_recipe
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "finetune_13b.py"
 # A smaller slice of the tiny preset; thresholds low enough that GNMR flips units within it.
@@ -34,13 +34,8 @@ SLICE = ["--preset", "tiny", "--max_train_samples", "32", "--per_device_train_ba
 ACTIVE_GNMR = ["--alpha", "1.05", "--beta", "1.05", "--min_history", "2", "--window", "2", "--lock_steps", "2"]
 
 
-@functools.cache
 def recipe():
-    spec = importlib.util.spec_from_file_location("gnmr_finetune_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building FinetuneArguments
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe("finetune_13b")
 
 
 def free_port() -> int:

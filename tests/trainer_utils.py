@@ -1,8 +1,13 @@
-"""Helpers shared by the Trainer tests: a tiny INT8 + LoRA Trainer with GNMR, an event recorder, trace access."""
+"""Helpers shared by the Trainer tests: a tiny INT8 + LoRA Trainer with GNMR, an event recorder, trace access, and
+the recipes loaded as modules."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -11,6 +16,7 @@ from gnmr_hf.demo import GradientSpikeCallback
 from gnmr_hf.tiny import load_int8_lora
 from gnmr_hf.trace import read_trace
 
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 SPIKED = "model.layers.1.mlp.down_proj"
 SPIKE_STEP = 8
 CFG = dict(max_active=2, lock_steps=3, window=3, min_history=3, alpha=4.0, beta=4.0)
@@ -101,3 +107,13 @@ def gnmr_of(trainer) -> GNMRCallback:
 
 def steps_of(out) -> list[dict]:
     return read_trace(Path(out) / "gnmr_trace.jsonl")[1]
+
+
+@functools.cache
+def load_recipe(name: str) -> ModuleType:
+    """`recipes/<name>.py` as a module (the recipes are scripts, not a package), loaded once per session."""
+    spec = importlib.util.spec_from_file_location(f"gnmr_recipe_{name}", RECIPES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building the argument classes
+    spec.loader.exec_module(module)
+    return module
