@@ -26,6 +26,8 @@ from gnmr_hf import OutputGradMeter, RecoveryLedger, find_units
 from gnmr_hf.backends.bnb import BnbInt8Unit
 from gnmr_hf.tiny import build_tiny_llama, load_int8_lora
 
+from trainer_utils import close_all, lora_grads_against_bf16, randomize_lora_b, token_ids
+
 bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
@@ -41,27 +43,8 @@ TARGETS = [
 NAMES = [f"model.layers.{layer}.{target}" for layer in range(2) for target in TARGETS]
 
 
-def token_ids(seed: int = 0, batch: int = 2, length: int = 12) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (batch, length), generator=generator)
-
-
-def randomize_lora_b(model: nn.Module, seed: int = 0) -> None:
-    """peft starts lora_B at zero, which makes every lora_A gradient zero; give both a gradient."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-
-
 def scales(module: nn.Module) -> torch.Tensor:
     return module.state.SCB if module.state.SCB is not None else module.weight.SCB
-
-
-def close_all(units: list) -> None:
-    for unit in units:
-        unit.close()
 
 
 def test_discovery_finds_each_int8_linear_of_a_peft_lora_llama_in_module_order(tiny_llama_dir: Path) -> None:
@@ -320,36 +303,9 @@ def test_flips_between_training_steps_leave_lora_and_adamw_state_as_in_a_run_wit
 
 
 def test_backward_through_recovery_gives_lora_grads_close_to_a_bf16_reference(tiny_llama_dir: Path) -> None:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     model = load_int8_lora(tiny_llama_dir)
     randomize_lora_b(model)
-    # Reference: the fp32 model with BF16-rounded base weights and the same LoRA parameters.
-    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-    with torch.no_grad():
-        for module in reference.modules():
-            if isinstance(module, nn.Linear) and module is not reference.lm_head:
-                module.weight.copy_(module.weight.bfloat16().float())
-    reference = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, task_type="CAUSAL_LM"))
-    lora_state = {k: v for k, v in model.state_dict().items() if "lora_" in k}
-    missing = reference.load_state_dict(lora_state, strict=False)
-    assert not missing.unexpected_keys
-
-    ids = token_ids()
-    reference(ids, labels=ids).loss.backward()
-    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-
-    def lora_grads(recovery: bool) -> dict[str, torch.Tensor]:
-        units = find_units(model, "bnb_int8")
-        for unit in units if recovery else []:
-            unit.enter_recovery()
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-        close_all(units)
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-    recovery, int8 = lora_grads(recovery=True), lora_grads(recovery=False)
+    ref_grads, recovery, int8 = lora_grads_against_bf16(model, tiny_llama_dir, "bnb_int8")
     assert recovery.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
         error = ((recovery[name] - ref).norm() / ref.norm()).item()

@@ -27,7 +27,16 @@ from gnmr_hf.backends.bnb import Bnb4bitUnit
 from gnmr_hf.tiny import build_tiny_llama, load_4bit_lora
 from gnmr_hf.units import get_backend
 
-from trainer_utils import CFG, SPIKE_STEP, SPIKED, Recorder
+from trainer_utils import (
+    CFG,
+    SPIKE_STEP,
+    SPIKED,
+    Recorder,
+    close_all,
+    lora_grads_against_bf16,
+    randomize_lora_b,
+    token_ids,
+)
 
 bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -43,15 +52,6 @@ def load(path: Path, quant_type: str = "nf4", double_quant: bool = False) -> nn.
     # Train mode, as under a Trainer: on CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit weight in place on an
     # eval-mode forward without gradients, and these tests compare the 4-bit state before and after forwards.
     return load_4bit_lora(path, quant_type=quant_type, double_quant=double_quant).train()
-
-
-def token_ids(seed: int = 0, batch: int = 2, length: int = 12) -> torch.Tensor:
-    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def close_all(units: list) -> None:
-    for unit in units:
-        unit.close()
 
 
 def quant_state_snapshot(module: nn.Module) -> dict[str, object]:
@@ -202,38 +202,9 @@ def test_flips_leave_the_4bit_weight_quant_state_and_outputs_bitwise_unchanged(
 
 
 def test_backward_through_recovery_gives_lora_grads_close_to_a_bf16_reference(tiny_llama_dir: Path) -> None:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     model = load(tiny_llama_dir)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # peft starts lora_B at zero, which would make every lora_A gradient zero
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-    with torch.no_grad():
-        for module in reference.modules():
-            if isinstance(module, nn.Linear) and module is not reference.lm_head:
-                module.weight.copy_(module.weight.bfloat16().float())
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    reference = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
-    missing = reference.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
-    assert not missing.unexpected_keys
-    ids = token_ids()
-    reference(ids, labels=ids).loss.backward()
-    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-
-    def lora_grads(recovery: bool) -> dict[str, torch.Tensor]:
-        units = find_units(model, "bnb_4bit")
-        for unit in units if recovery else []:
-            unit.enter_recovery()
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-        close_all(units)
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-    recovery, four_bit = lora_grads(recovery=True), lora_grads(recovery=False)
+    randomize_lora_b(model)
+    ref_grads, recovery, four_bit = lora_grads_against_bf16(model, tiny_llama_dir, "bnb_4bit")
     for name, ref in ref_grads.items():
         error = ((recovery[name] - ref).norm() / ref.norm()).item()
         assert error < 0.02, (name, error)

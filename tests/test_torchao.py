@@ -20,7 +20,7 @@ from torch import nn
 from gnmr_hf import GNMRCallback, GNMRConfig, find_units
 from gnmr_hf.backends.torchao import Float8Unit
 
-from trainer_utils import CFG, SPIKE_STEP, SPIKED, Recorder, steps_of
+from trainer_utils import CFG, SPIKE_STEP, SPIKED, Recorder, close_all, steps_of
 
 pytest.importorskip("torchao")
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -56,11 +56,6 @@ def run(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     out = module(x)
     out.float().square().sum().backward()
     return out.detach(), x.grad, module.weight.grad, module.bias.grad
-
-
-def close_all(units: list) -> None:
-    for unit in units:
-        unit.close()
 
 
 def test_units_are_the_float8_linears_scored_on_their_master_weight() -> None:

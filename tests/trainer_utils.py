@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import torch
+from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from gnmr_hf import GNMRCallback, GNMRConfig, GNMRTrainer
@@ -117,3 +119,58 @@ def load_recipe(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up while building the argument classes
     spec.loader.exec_module(module)
     return module
+
+
+# ------------------------------------------------------------------------------------ backend test helpers
+
+
+def token_ids(seed: int = 0, batch: int = 2, length: int = 12) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def close_all(units: list) -> None:
+    for unit in units:
+        unit.close()
+
+
+def randomize_lora_b(model: nn.Module, seed: int = 0) -> None:
+    """peft starts lora_B at zero, which makes every lora_A gradient zero; give both a gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+def lora_grads_against_bf16(model: nn.Module, path: Path, backend: str) -> tuple[dict, dict, dict]:
+    """The LoRA gradients of `model` (a quantized LoRA LLaMA loaded from `path`) with every unit of `backend` in
+    recovery and on the cheap path, and those of the reference: the fp32 model with BF16-rounded base weights and
+    the same LoRA parameters. Returns (reference, recovery, cheap), each name -> gradient."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from gnmr_hf import find_units
+
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, nn.Linear) and module is not reference.lm_head:
+                module.weight.copy_(module.weight.bfloat16().float())
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    reference = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
+    missing = reference.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)
+    assert not missing.unexpected_keys
+    ids = token_ids()
+    reference(ids, labels=ids).loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+
+    def lora_grads(recovery: bool) -> dict[str, torch.Tensor]:
+        units = find_units(model, backend)
+        for unit in units if recovery else []:
+            unit.enter_recovery()
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+        close_all(units)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    return ref_grads, lora_grads(recovery=True), lora_grads(recovery=False)
