@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from gnmr_hf import GNMRCallback, GNMRConfig, find_units
+from gnmr_hf import GNMRConfig, find_units
 from gnmr_hf.backends.bnb import Bnb4bitUnit
 from gnmr_hf.tiny import build_tiny_llama, load_4bit_lora
 from gnmr_hf.units import get_backend
@@ -33,7 +33,9 @@ from trainer_utils import (
     SPIKED,
     Recorder,
     close_all,
+    gnmr_of,
     lora_grads_against_bf16,
+    make_trainer,
     randomize_lora_b,
     token_ids,
 )
@@ -279,33 +281,14 @@ def test_the_int8_backend_on_a_4bit_model_points_at_bnb_4bit(tiny_llama_dir: Pat
         find_units(load(tiny_llama_dir), "bnb_int8")
 
 
-def make_trainer(model: nn.Module, dataset, out: Path, recorder_for: GNMRCallback, **args):
-    from transformers import Trainer, TrainingArguments
-
-    from gnmr_hf.demo import GradientSpikeCallback
-
-    training_args = TrainingArguments(
-        output_dir=str(out),
-        use_cpu=True,
-        max_steps=SPIKE_STEP + 4,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=2,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-        **args,
-    )
-    callbacks = [recorder_for, GradientSpikeCallback(SPIKED, SPIKE_STEP, 100.0)]
-    return Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
-
-
 def test_trainer_moves_the_spiked_4bit_unit_at_the_next_step_within_the_memory_budget(
     tiny_llama_dir: Path, dataset, tmp_path: Path
 ) -> None:
-    gnmr = GNMRCallback(GNMRConfig(backend="bnb_4bit", **CFG))
-    trainer = make_trainer(load(tiny_llama_dir, double_quant=True), dataset, tmp_path, gnmr)
+    model = load(tiny_llama_dir, double_quant=True)
+    trainer = make_trainer(
+        model, dataset, tmp_path, gnmr=GNMRConfig(backend="bnb_4bit", **CFG), max_steps=SPIKE_STEP + 4
+    )
+    gnmr = gnmr_of(trainer)
     recorder = Recorder(gnmr)
     trainer.add_callback(recorder)
     trainer.train()

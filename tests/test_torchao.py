@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gnmr_hf import GNMRCallback, GNMRConfig, find_units
+from gnmr_hf import GNMRConfig, find_units
 from gnmr_hf.backends.torchao import Float8Unit
 
-from trainer_utils import CFG, SPIKE_STEP, SPIKED, Recorder, close_all, steps_of
+from trainer_utils import CFG, SPIKE_STEP, SPIKED, Recorder, close_all, gnmr_of, make_trainer, steps_of
 
 pytest.importorskip("torchao")
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -177,30 +177,18 @@ def test_options_and_a_model_without_float8_linears_fail_with_clear_errors() -> 
 def test_trainer_on_a_float8_llama_applies_each_decision_from_the_next_step(
     tiny_llama_dir: Path, dataset, tmp_path: Path
 ) -> None:
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-
-    from gnmr_hf.demo import GradientSpikeCallback
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     convert_to_float8_training(
         model, config=Float8LinearConfig(emulate=True), module_filter_fn=lambda module, fqn: fqn != "lm_head"
     )
-    gnmr = GNMRCallback(GNMRConfig(backend="torchao_float8", **CFG))
+    gnmr_config = GNMRConfig(backend="torchao_float8", **CFG)
+    trainer = make_trainer(model, dataset, tmp_path, gnmr=gnmr_config, max_steps=SPIKE_STEP + 3)
+    gnmr = gnmr_of(trainer)
     recorder = Recorder(gnmr)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        max_steps=SPIKE_STEP + 3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=2,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        disable_tqdm=True,
-    )
-    callbacks = [gnmr, recorder, GradientSpikeCallback(SPIKED, SPIKE_STEP, 100.0)]
-    Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks).train()
+    trainer.add_callback(recorder)
+    trainer.train()
     assert {unit.signal for unit in gnmr.units} == {"weight"} and len(gnmr.units) == 14
     steps = {record["step"]: record for record in steps_of(tmp_path)}
     names = [unit.name for unit in gnmr.units]

@@ -69,9 +69,10 @@ def make_trainer(
     eval_dataset=None,
     **args,
 ):
-    """A Trainer on a fresh INT8 + LoRA tiny LLaMA with GNMR (`gnmr=False`: none) and an injected x100 spike
-    on `SPIKED` at `spike_step` (0: none); `args` go to `TrainingArguments`."""
-    model = load_int8_lora(model_dir, target_modules=target_modules)
+    """A Trainer with GNMR (`gnmr=False`: none) and an injected x100 spike on `SPIKED` at `spike_step` (0: none),
+    on a fresh INT8 + LoRA tiny LLaMA loaded from `model_dir`, or on `model_dir` itself when it is a model (another
+    backend's); `args` go to `TrainingArguments`."""
+    model = model_dir if isinstance(model_dir, nn.Module) else load_int8_lora(model_dir, target_modules=target_modules)
     training_args = TrainingArguments(
         output_dir=str(out),
         use_cpu=True,
