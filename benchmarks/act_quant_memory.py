@@ -3,7 +3,8 @@
     python benchmarks/act_quant_memory.py                  # the probe-scale LLaMA, batch 16 x 128 bytes
     python benchmarks/act_quant_memory.py --d_model 256 --n_layers 8 --batch 8 --seq_len 512
 
-One forward pass per setting under torch's saved-tensor hooks (`gnmr_hf.pretrain.SavedTensorMeter`): every tensor
+One forward pass per setting under torch's saved-tensor hooks
+(`gnmr_hf.experiments.pretrain.SavedTensorMeter`): every tensor
 autograd keeps for the backward pass is counted once per storage, the parameters not at all. That is what a step
 holds between its forward and its backward, measured, not estimated from shapes. Settings: the plain model
 (sdpa attention), then for each unit kind (linear inputs of the q/k/v/o/gate/up/down projections; attention's
@@ -19,7 +20,7 @@ import json
 import torch
 
 from gnmr_hf import find_units
-from gnmr_hf.pretrain import SavedTensorMeter, build_model, llama_config
+from gnmr_hf.experiments.pretrain import SavedTensorMeter, build_model, llama_config
 
 INCLUDE = {
     "linear": [r"\.(q|k|v|o|gate|up|down)_proj$"],

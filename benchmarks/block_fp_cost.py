@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from gnmr_hf import find_units
-from gnmr_hf.pretrain import build_model, llama_config
+from gnmr_hf.experiments.pretrain import build_model, llama_config
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
 # (label, block_fp options or None for the plain model)

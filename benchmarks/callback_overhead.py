@@ -31,8 +31,8 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from gnmr_hf import GNMRCallback, GNMRConfig
-from gnmr_hf.demo import GradientSpikeCallback, byte_dataset
-from gnmr_hf.tiny import build_tiny_llama, load_int8_lora, write_local_text
+from gnmr_hf.experiments.demo import GradientSpikeCallback, byte_dataset
+from gnmr_hf.experiments.tiny import build_tiny_llama, load_int8_lora, write_local_text
 
 MODES = ("plain", "monitor_only", "active")
 

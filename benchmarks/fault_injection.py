@@ -31,7 +31,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainingArguments
 
 from gnmr_hf import GNMRConfig
-from gnmr_hf.pretrain import PretrainArguments, load_corpus, run_arm, training_arguments
+from gnmr_hf.experiments.pretrain import PretrainArguments, load_corpus, run_arm, training_arguments
 from gnmr_hf.trace import read_trace
 
 ARMS = ("clean", "static_low", "gnmr", "global_z")

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, TrainerCallback
 
-from gnmr_hf.tiny import TINY_LLAMA
+from gnmr_hf.experiments.tiny import TINY_LLAMA
 
 SIZES = {
     # TinyLlama-1.1B's shape: grouped-query attention (4 KV heads), 154 INT8 linear layers.

@@ -5,8 +5,9 @@
 
 Reads what `recipes/pretrain_actquant.py` wrote under the folder and prints, in markdown:
 
-1. the results table (`gnmr_hf.pretrain.results_table`) and, with `--plot`, the loss curves;
-2. GNMR against the oracle (`gnmr_hf.oracle.oracle_agreement`), per seed of every arm that probed it, with k its
+1. the results table (`gnmr_hf.experiments.pretrain.results_table`) and, with `--plot`, the loss curves;
+2. GNMR against the oracle (`gnmr_hf.experiments.oracle.oracle_agreement`), per seed of every arm that probed
+it, with k its
    `max_active`: precision@k of GNMR's risk ranking and of random rankings, precision of the set it recovered,
    Spearman correlation of risk and gap beside random scores; and the units with the largest mean gap;
 3. re-entry intervals from the traces of the gnmr arms: for every unit, the steps it spent on the cheap path
@@ -22,8 +23,8 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from gnmr_hf.oracle import oracle_agreement, read_oracle
-from gnmr_hf.pretrain import load_results, plot_loss_curves, results_table
+from gnmr_hf.experiments.oracle import oracle_agreement, read_oracle
+from gnmr_hf.experiments.pretrain import load_results, plot_loss_curves, results_table
 from gnmr_hf.trace import read_trace
 
 

@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  report  summarize a GNMR decision trace and write its plots")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "demo":
-        from .demo import main as demo_main
+        from .experiments.demo import main as demo_main
 
         return demo_main(argv[1:])
     return _report(argv[1:])

@@ -12,7 +12,7 @@ reach), or with `--offline_tasks`, the local look-alike tasks run in place of mm
 results.json say so; `--real_tasks` insists on the real ones (from the HF datasets cache).
 `--perplexity_file heldout.txt` adds perplexity on held-out text. Each evaluation writes results.json (lm-eval's
 own results dict plus what ran) and results.md; `--compare` writes comparison.md and comparison.json. The work is
-done by `gnmr_hf.evaluation`; this script only parses the flags.
+done by `gnmr_hf.experiments.evaluation`; this script only parses the flags.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
 
-    from gnmr_hf.evaluation import compare_results, evaluate_model
+    from gnmr_hf.experiments.evaluation import compare_results, evaluate_model
 
     try:
         if args.compare is not None:
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_fewshot=args.num_fewshot,
             limit=int(limit) if limit is not None and limit >= 1 else limit,
             include_path=args.include_path,
-            # Neither flag: let the library detect connectivity (gnmr_hf.evaluation.offline_reason).
+            # Neither flag: let the library detect connectivity (gnmr_hf.experiments.evaluation.offline_reason).
             offline_tasks=True if args.offline_tasks else False if args.real_tasks else None,
             perplexity_file=args.perplexity_file,
             batch_size=args.batch_size if args.batch_size == "auto" else int(args.batch_size),

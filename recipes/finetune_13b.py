@@ -15,7 +15,8 @@ Flags come from `HfArgumentParser` over `TrainingArguments`, this recipe's `Fine
 
 - `13b` (default): `meta-llama/Llama-2-13b-hf` on `tatsu-lab/alpaca`, bf16, activation (gradient) checkpointing
   without reentrancy, as one GPU needs for a 13B model;
-- `tiny`: a tiny LLaMA built here from a config (`gnmr_hf.tiny`, saved as safetensors with a character tokenizer)
+- `tiny`: a tiny LLaMA built here from a config (`gnmr_hf.experiments.tiny`, saved as safetensors with a
+character tokenizer)
   and a local instruction set written by the project, on CPU: the same code path, offline.
 
 Data: a `datasets` name (`--dataset_name`) or local JSON/JSONL (`--train_file`) with instruction, optional input
@@ -56,7 +57,7 @@ from gnmr_hf import GNMRConfig
 logger = logging.getLogger("gnmr_hf.recipes.finetune_13b")
 
 ARMS = ("int8", "gnmr", "bf16")
-RUN_FILE = "gnmr_run.json"  # read by gnmr_hf.evaluation.resolve_model_source
+RUN_FILE = "gnmr_run.json"  # read by gnmr_hf.experiments.evaluation.resolve_model_source
 AGREEMENT_FILE = "gnmr_rank_agreement.jsonl"
 ALL_LINEAR = "all-linear"
 TINY_BASE = "base_model"  # the tiny preset's model folder, inside output_dir
@@ -245,7 +246,7 @@ def prepare_tiny(args: FinetuneArguments, training_args: TrainingArguments) -> N
     Rank 0 of each node writes them first and the other ranks then find them (`main_process_first`); both are
     deterministic (fixed seeds), so a second run into the same folder reuses them unchanged.
     """
-    from gnmr_hf.tiny import build_tiny_llama, char_tokenizer, write_instruction_data
+    from gnmr_hf.experiments.tiny import build_tiny_llama, char_tokenizer, write_instruction_data
 
     out = Path(training_args.output_dir).resolve()
     with training_args.main_process_first(desc="tiny model and data"):

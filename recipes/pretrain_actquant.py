@@ -8,7 +8,8 @@ arm against arm: the paper's first scenario at CPU scale.
         --arms static_high static_low gnmr --oracle_every 10 --trace_top_k 64
 
 Every arm trains the same model (same initialization per seed) on the same batches in the same order, with the
-transformers `Trainer` and `GNMRCallback` (or a baseline policy over the same units, `gnmr_hf.baselines`), and
+transformers `Trainer` and `GNMRCallback` (or a baseline policy over the same units,
+`gnmr_hf.experiments.baselines`), and
 writes `<output_dir>/<arm>/seed<k>/result.json` and its GNMR trace. After its runs the recipe writes
 `<output_dir>/results.md` (the table over every result found in `output_dir`, so arms run by separate commands end
 up in one table) and `loss_curves.png`.
@@ -20,8 +21,10 @@ the units with the largest mean oracle gap of the gnmr run (needs `--oracle_ever
 `--carve_named` regexes (e.g. `'self_attn$'`: every attention unit).
 
 Flags: `TrainingArguments` (a preset fills every one not given: steps, batch, learning rate, warm-up, evaluation;
-AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the CPU), `PretrainArguments`
-(`gnmr_hf.pretrain`: preset, arms, seeds, corpus, model size, oracle) and `GNMRConfig` (the controller and the
+AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the CPU),
+`PretrainArguments`
+(`gnmr_hf.experiments.pretrain`: preset, arms, seeds, corpus, model size, oracle) and `GNMRConfig` (the
+controller and the
 backend; here `--backend act_quant` and its `--backend_options`, see `gnmr_hf.backends.act_quant`). Without
 `--include`, the units are the q/k/v/o/gate/up/down projections and the attention modules of every layer.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import sys
 
-from gnmr_hf.pretrain import parse_recipe_arguments, run_recipe
+from gnmr_hf.experiments.pretrain import parse_recipe_arguments, run_recipe
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$", r"\.self_attn$"]
 

@@ -8,7 +8,8 @@ block-scaled low-bit floats, DeepSeek-V3 style, arm against arm: the paper's sec
         --arms reference static_high static_low gnmr random carve_first_last global_z
 
 Every arm trains the same model (same initialization per seed) on the same batches in the same order, with the
-transformers `Trainer` and `GNMRCallback` (or a baseline policy over the same units, `gnmr_hf.baselines`), and writes
+transformers `Trainer` and `GNMRCallback` (or a baseline policy over the same units,
+`gnmr_hf.experiments.baselines`), and writes
 `<output_dir>/<arm>/seed<k>/result.json` and its GNMR trace; then `<output_dir>/results.md` (the table over every
 result found in `output_dir`: validation loss and perplexity per byte, the share of the static low -> high gap
 closed, the fraction of unit-steps recovered, seconds per step) and `loss_curves.png`.
@@ -19,8 +20,10 @@ gnmr_relapse, random and carve_first_last (GNMR's mean budget of the same seed, 
 `--budget`), carve_best (the units with the largest oracle gaps of the gnmr run; needs `--oracle_every`), global_z.
 
 Flags: `TrainingArguments` (the preset fills every one not given: steps, batch, learning rate, warm-up, evaluation;
-AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the CPU), `PretrainArguments`
-(`gnmr_hf.pretrain`: preset, arms, seeds, corpus, model size, oracle) and `GNMRConfig` (the controller and the
+AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the CPU),
+`PretrainArguments`
+(`gnmr_hf.experiments.pretrain`: preset, arms, seeds, corpus, model size, oracle) and `GNMRConfig` (the
+controller and the
 backend: here `block_fp`, whose `--backend_options` are `low_format`, `high_format`, `scaling`, `quantize_lm_head`,
 `quantize_eval`, `signal`; see `gnmr_hf.backends.block_fp`). Without `--include`, the units are the
 q/k/v/o/gate/up/down projections of every layer; the embedding, the norms, attention and lm_head stay in FP32.
@@ -35,7 +38,7 @@ import sys
 
 from gnmr_hf import GNMRConfig
 from gnmr_hf.backends.block_fp import BlockFPOptions
-from gnmr_hf.pretrain import parse_recipe_arguments, run_recipe
+from gnmr_hf.experiments.pretrain import parse_recipe_arguments, run_recipe
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
 LM_HEAD = r"^lm_head$"

@@ -21,7 +21,7 @@ for arm in "${ARMS[@]}"; do
     echo "=== evaluate: $arm"
     # The int8 and gnmr adapters were trained on an 8-bit base; gnmr_run.json says so and evaluate.py loads it so.
     python recipes/evaluate.py --model "$OUT/$arm" --tasks mmlu,hellaswag --offline_tasks \
-        --perplexity_file gnmr_hf/data/eval/heldout.txt --limit "$LIMIT" --device cpu --output_dir "$OUT/$arm/eval"
+        --perplexity_file gnmr_hf/experiments/data/eval/heldout.txt --limit "$LIMIT" --device cpu --output_dir "$OUT/$arm/eval"
 done
 
 python recipes/evaluate.py --compare "$OUT/int8/eval" "$OUT/gnmr/eval" "$OUT/bf16/eval" --names "${ARMS[@]}" \

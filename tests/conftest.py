@@ -14,7 +14,7 @@ torch.set_num_threads(2)
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny fp32 LLaMA saved as safetensors (the 'original checkpoint' of the INT8 model)."""
-    from gnmr_hf.tiny import build_tiny_llama
+    from gnmr_hf.experiments.tiny import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
@@ -24,7 +24,7 @@ def biased_llama_dir(tmp_path_factory):
     """A tiny LLaMA whose linears have non-zero biases (the default init zeros them, which would hide bias bugs)."""
     from transformers import AutoModelForCausalLM
 
-    from gnmr_hf.tiny import build_tiny_llama
+    from gnmr_hf.experiments.tiny import build_tiny_llama
 
     path = build_tiny_llama(tmp_path_factory.mktemp("biased_llama"), attention_bias=True, mlp_bias=True)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -40,8 +40,8 @@ def biased_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     """Byte-tokenized local text for the Trainer tests."""
-    from gnmr_hf.demo import byte_dataset
-    from gnmr_hf.tiny import write_local_text
+    from gnmr_hf.experiments.demo import byte_dataset
+    from gnmr_hf.experiments.tiny import write_local_text
 
     return byte_dataset(write_local_text(tmp_path_factory.mktemp("data") / "train.txt", lines=128))
 

@@ -17,7 +17,7 @@ from gnmr_hf.backends.act_quant import (
     QuantSavedLinear,
     SaveSpec,
 )
-from gnmr_hf.pretrain import SavedTensorMeter
+from gnmr_hf.experiments.pretrain import SavedTensorMeter
 from gnmr_hf.quant import absmax_error_bound, quantized_nbytes
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$", r"\.self_attn$"]

@@ -16,7 +16,7 @@ from torch import nn
 
 from gnmr_hf import GNMRConfig, find_units
 from gnmr_hf.backends.block_fp import BlockFPOptions, GemmFormat, block_fp_linear
-from gnmr_hf.pretrain import build_model, llama_config
+from gnmr_hf.experiments.pretrain import build_model, llama_config
 from gnmr_hf.quant import FORMATS, quantize_blocks
 
 from trainer_utils import load_recipe

@@ -24,7 +24,7 @@ from torch import nn
 
 from gnmr_hf import OutputGradMeter, RecoveryLedger, find_units
 from gnmr_hf.backends.bnb import BnbInt8Unit
-from gnmr_hf.tiny import build_tiny_llama, load_int8_lora
+from gnmr_hf.experiments.tiny import build_tiny_llama, load_int8_lora
 
 from trainer_utils import close_all, lora_grads_against_bf16, randomize_lora_b, token_ids
 

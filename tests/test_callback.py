@@ -10,7 +10,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from gnmr_hf import GNMRCallback, GNMRConfig, GNMRTrainer
-from gnmr_hf.demo import GradientSpikeCallback
+from gnmr_hf.experiments.demo import GradientSpikeCallback
 from gnmr_hf.trace import read_trace
 
 from trainer_utils import CFG, SPIKE_STEP, SPIKED, Recorder, gnmr_of, make_trainer, steps_of

@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from gnmr_hf.evaluation import (
+from gnmr_hf.experiments.evaluation import (
     DATA_DIR,
     LOCAL_TASKS,
     PERPLEXITY_TASK,
@@ -34,7 +34,7 @@ from gnmr_hf.evaluation import (
     write_local_tasks,
     write_results,
 )
-from gnmr_hf.tiny import build_tiny_llama, char_tokenizer
+from gnmr_hf.experiments.tiny import build_tiny_llama, char_tokenizer
 
 from trainer_utils import load_recipe
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gnmr_hf import find_units
-from gnmr_hf.oracle import oracle_agreement, recovery_gaps, spearman
+from gnmr_hf.experiments.oracle import oracle_agreement, recovery_gaps, spearman
 
 
 class Toy(nn.Module):

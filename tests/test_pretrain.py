@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from gnmr_hf import GNMRConfig, find_units
-from gnmr_hf.baselines import (
+from gnmr_hf.experiments.baselines import (
     FixedSetPolicy,
     GlobalZScorePolicy,
     PolicyController,
@@ -18,7 +18,7 @@ from gnmr_hf.baselines import (
     best_static_units,
     first_last_units,
 )
-from gnmr_hf.pretrain import ByteTokenizer, block_dataset, llama_config, load_corpus
+from gnmr_hf.experiments.pretrain import ByteTokenizer, block_dataset, llama_config, load_corpus
 
 from trainer_utils import load_recipe
 

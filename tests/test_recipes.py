@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from gnmr_hf import GNMRConfig
-from gnmr_hf.evaluation import PERPLEXITY_TASK, evaluate_model, write_local_tasks
-from gnmr_hf.tiny import char_tokenizer
+from gnmr_hf.experiments.evaluation import PERPLEXITY_TASK, evaluate_model, write_local_tasks
+from gnmr_hf.experiments.tiny import char_tokenizer
 from gnmr_hf.trace import read_trace
 
 from trainer_utils import load_recipe

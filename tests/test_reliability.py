@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gnmr_hf import GNMRConfig, GNMRController, RecoverableUnit, RecoveryLedger, apply_decision
-from gnmr_hf.demo import GradientSpikeCallback
+from gnmr_hf.experiments.demo import GradientSpikeCallback
 
 from trainer_utils import CFG, gnmr_of, make_trainer, steps_of
 
@@ -192,7 +192,7 @@ def test_deepspeed_is_refused_with_the_alternatives(tiny_llama_dir, monkeypatch,
     from types import SimpleNamespace
 
     from gnmr_hf import GNMRCallback
-    from gnmr_hf.tiny import load_int8_lora
+    from gnmr_hf.experiments.tiny import load_int8_lora
 
     model = load_int8_lora(tiny_llama_dir)
     args = SimpleNamespace(deepspeed="ds_config.json" if how == "args" else None, output_dir="unused")

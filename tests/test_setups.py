@@ -15,7 +15,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from gnmr_hf import GNMRCallback, GNMRConfig, find_units
-from gnmr_hf.demo import GradientSpikeCallback
+from gnmr_hf.experiments.demo import GradientSpikeCallback
 from gnmr_hf.trace import read_trace
 
 from trainer_utils import CFG, SPIKE_STEP, SPIKED, Recorder, gnmr_of, make_trainer, steps_of
@@ -286,7 +286,7 @@ def test_resume_survives_a_trace_cut_off_mid_line(tiny_llama_dir, dataset, tmp_p
 def test_flips_under_torch_compile_never_recompile_and_match_eager(tiny_llama_dir):
     from torch._dynamo.utils import counters
 
-    from gnmr_hf.tiny import load_int8_lora
+    from gnmr_hf.experiments.tiny import load_int8_lora
 
     torch._dynamo.reset()
     model = load_int8_lora(tiny_llama_dir)
@@ -323,7 +323,7 @@ def test_flips_under_torch_compile_never_recompile_and_match_eager(tiny_llama_di
 
 
 def test_unit_names_do_not_depend_on_wrappers(tiny_llama_dir):
-    from gnmr_hf.tiny import load_int8_lora
+    from gnmr_hf.experiments.tiny import load_int8_lora
 
     model = load_int8_lora(tiny_llama_dir)
     units = find_units(model, "bnb_int8", backend_options="source=dequantize")
@@ -372,7 +372,7 @@ def test_changing_the_active_adapter_during_training_is_refused(tiny_llama_dir, 
 def test_several_active_adapters_are_all_in_the_signal(tiny_llama_dir):
     from peft import LoraConfig
 
-    from gnmr_hf.tiny import load_int8_lora
+    from gnmr_hf.experiments.tiny import load_int8_lora
 
     model = load_int8_lora(tiny_llama_dir)
     model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj"]))

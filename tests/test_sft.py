@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gnmr_hf import GNMRCallback, GNMRConfig
-from gnmr_hf.demo import GradientSpikeCallback
-from gnmr_hf.tiny import char_tokenizer, load_4bit_lora, load_int8_lora, write_local_text
+from gnmr_hf.experiments.demo import GradientSpikeCallback
+from gnmr_hf.experiments.tiny import char_tokenizer, load_4bit_lora, load_int8_lora, write_local_text
 from gnmr_hf.trace import read_trace
 
 trl = pytest.importorskip("trl")

@@ -14,8 +14,8 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from gnmr_hf import GNMRCallback, GNMRConfig, GNMRTrainer
-from gnmr_hf.demo import GradientSpikeCallback
-from gnmr_hf.tiny import load_int8_lora
+from gnmr_hf.experiments.demo import GradientSpikeCallback
+from gnmr_hf.experiments.tiny import load_int8_lora
 from gnmr_hf.trace import read_trace
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

@@ -23,8 +23,8 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from gnmr_hf import GNMRCallback, GNMRConfig
-    from gnmr_hf.demo import byte_dataset
-    from gnmr_hf.tiny import load_int8_lora, write_local_text
+    from gnmr_hf.experiments.demo import byte_dataset
+    from gnmr_hf.experiments.tiny import load_int8_lora, write_local_text
 
     rank = int(os.environ["RANK"])
     targets = ["q_proj", "v_proj"] if mode == "meters" else None

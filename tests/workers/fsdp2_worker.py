@@ -37,7 +37,7 @@ def main() -> None:
     from gnmr_hf import BackendOptions, GNMRCallback, GNMRConfig, register_backend
     from gnmr_hf.backends.adapters import resolve_signal
     from gnmr_hf.backends.switch import SwitchedUnit
-    from gnmr_hf.tiny import TINY_LLAMA
+    from gnmr_hf.experiments.tiny import TINY_LLAMA
     from gnmr_hf.units import display_name
 
     @dataclass

@@ -25,8 +25,8 @@ def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from gnmr_hf import GNMRCallback, GNMRConfig
-    from gnmr_hf.demo import GradientSpikeCallback, byte_dataset
-    from gnmr_hf.tiny import load_int8_lora, write_local_text
+    from gnmr_hf.experiments.demo import GradientSpikeCallback, byte_dataset
+    from gnmr_hf.experiments.tiny import load_int8_lora, write_local_text
 
     class Pause(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, default_data_collator
 
-from .callback import GNMRCallback
-from .units import RecoverableUnit
+from ..callback import GNMRCallback
+from ..units import RecoverableUnit
 
 __all__ = ["OracleCallback", "oracle_agreement", "read_oracle", "recovery_gaps"]
 

@@ -14,7 +14,7 @@ oracle comparison and the results table read) but hands the choice of the recove
   GNMR selection would be.
 - `FixedSetPolicy`: a carve-out, the same units on the recovery path for the whole run. `first_last_units` picks the
   first and last layers' units (the usual "keep the ends in high precision" rule) and `best_static_units` the units
-  with the largest mean oracle gap over a run (`gnmr_hf.oracle`): the best static carve-out in hindsight.
+  with the largest mean oracle gap over a run (`gnmr_hf.experiments.oracle`): the best static carve-out in hindsight.
 - `GlobalZScorePolicy`: a global spike detector as ZClip uses one: an exponential moving mean and variance of the
   total gradient norm (here over the units' signal tensors) and a z-score threshold. It knows *when* something
   spiked, not *where*, so when it fires it recovers the `max_active` units with the largest raw gradient norm, for
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from .callback import GNMRCallback
-from .config import GNMRConfig
-from .controller import Decision, GNMRController
-from .units import RecoverableUnit
+from ..callback import GNMRCallback
+from ..config import GNMRConfig
+from ..controller import Decision, GNMRController
+from ..units import RecoverableUnit
 
 __all__ = [
     "FixedSetPolicy",

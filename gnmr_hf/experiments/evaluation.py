@@ -9,7 +9,8 @@ definitions in lm-eval's YAML format. This module only decides what to hand it, 
   ourselves and give HFLM the loaded model, because HFLM's own loader cannot take a `BitsAndBytesConfig`.
 - **the tasks**: MMLU 5-shot (`acc`) and HellaSwag 0-shot (`acc`, `acc_norm`) by default. When the Hub cannot be
   reached (see `offline_reason`), or when asked (`offline_tasks=True`), `mmlu` and `hellaswag` are replaced by
-  small look-alikes shipped in `gnmr_hf/data/eval/`: the same prompt, choices, few-shot split and metrics as
+  small look-alikes shipped in `gnmr_hf/experiments/data/eval/`: the same prompt, choices, few-shot split and
+  metrics as
   lm-eval's own configs, on items written for this project. Their numbers test the pipeline, they are not MMLU
   or HellaSwag numbers, so the log and `results.json` say which tasks really ran.
 - **perplexity**: the `gnmr_perplexity` task scores held-out text with lm-eval's `loglikelihood_rolling`, as its

@@ -21,7 +21,7 @@ same code path, and differ only in precision policy. This module provides exactl
 - **Arms** (`ARMS`, `arm_callbacks`): `reference` (no units at all: the plain fp32 model), `static_low`,
   `static_high`, `gnmr`, `gnmr_relapse` (the relapse-aware lock), `random`, `carve_first_last`, `carve_best`,
   `carve_named` (units chosen by regex) and `global_z` — every arm but the reference runs `GNMRCallback`'s code path
-  over the same units (`gnmr_hf.baselines`).
+  over the same units (`gnmr_hf.experiments.baselines`).
 - **Measurement** (`StepMeter`, `SavedTensorMeter`, `run_arm`): seconds per optimizer step (median), bytes saved for
   backward per step (through torch's saved-tensor hooks, so they are the tensors autograd really keeps), the final
   validation loss, the recovery fraction and exceedance rate from the GNMR trace; one `result.json` per run.
@@ -49,6 +49,9 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from ..callback import GNMRCallback
+from ..config import GNMRConfig
+from ..trace import read_trace
 from .baselines import (
     FixedSetPolicy,
     GlobalZScorePolicy,
@@ -57,9 +60,6 @@ from .baselines import (
     StaticPolicy,
     first_last_units,
 )
-from .callback import GNMRCallback
-from .config import GNMRConfig
-from .trace import read_trace
 
 __all__ = [
     "ARMS",
@@ -184,7 +184,8 @@ class PretrainArguments:
         metadata={"help": "Regexes of the units the carve_named arm keeps on the recovery path (a chosen carve-out)."},
     )
     oracle_every: int = field(
-        default=0, metadata={"help": "Oracle probe every k steps in the gnmr arms (0: none); see gnmr_hf.oracle."}
+        default=0,
+        metadata={"help": "Oracle probe every k steps in the gnmr arms (0: none); see gnmr_hf.experiments.oracle."},
     )
     plot: bool = field(default=True, metadata={"help": "Write loss_curves.png beside results.md."})
 

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .config import GNMRConfig
+from ..config import GNMRConfig
+from ..units import display_name
 from .tiny import build_tiny_llama, load_4bit_lora, load_int8_lora, write_local_text
-from .units import display_name
 
 __all__ = ["DEMO_LOADERS", "GradientSpikeCallback", "byte_dataset", "main", "run_demo"]
 
@@ -107,8 +107,8 @@ def run_demo(
     `gnmr.backend` (one of `DEMO_LOADERS`)."""
     from transformers import Trainer, TrainingArguments
 
-    from .callback import GNMRCallback
-    from .report import report
+    from ..callback import GNMRCallback
+    from ..report import report
 
     gnmr = gnmr or GNMRConfig(max_active=2, lock_steps=4, window=4, min_history=4, alpha=3.0, beta=3.0)
     if gnmr.backend not in DEMO_LOADERS:
