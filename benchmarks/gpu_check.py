@@ -207,7 +207,7 @@ def time_it(fn: Any, repeats: int) -> float:
 
 def flip_latency(model: Any, device: str, repeats: int) -> dict[str, Any]:
     """enter/exit_recovery of the largest unit, per recovery source, against one H2D copy of its BF16 weight."""
-    from gnmr_hf.units import find_units
+    from gnmr_hf import find_units
 
     result: dict[str, Any] = {}
     for source in ("checkpoint", "dequantize"):

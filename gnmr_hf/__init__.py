@@ -17,17 +17,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .config import GNMRConfig
-from .controller import Decision, GNMRController, HostDecision
-from .signals import UnitSignals
+from .controller import Decision, GNMRController, HostDecision, Selection
+from .options import BackendOptions
+from .registry import find_units, get_backend, register_backend
+from .signals import OutputGradMeter, Signal, SignalOptions, UnitSignals
 from .units import (
-    BackendOptions,
+    Backend,
     DispatchContext,
-    OutputGradMeter,
     RecoverableUnit,
     RecoveryLedger,
+    SwitchedUnit,
+    UnitSet,
     apply_decision,
-    find_units,
-    register_backend,
 )
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Backend",
     "BackendOptions",
     "Decision",
     "DispatchContext",
@@ -48,10 +50,16 @@ __all__ = [
     "OutputGradMeter",
     "RecoverableUnit",
     "RecoveryLedger",
+    "Selection",
+    "Signal",
+    "SignalOptions",
+    "SwitchedUnit",
+    "UnitSet",
     "UnitSignals",
     "__version__",
     "apply_decision",
     "find_units",
+    "get_backend",
     "register_backend",
 ]
 

@@ -26,9 +26,9 @@ What it does, per optimizer step k (transformers 5 event order):
    checkpoint's `trainer_state.json`.
 
 Logging detail: `Trainer.log()` hands the same `logs` dict to the callbacks in list order, and the reporting
-integrations are callbacks added before ours. So at train begin this callback moves itself to the front of the
-Trainer's callback list (it finds the list as the caller of `on_train_begin`); `GNMRTrainer` puts it there
-directly.
+integrations (TensorBoard, W&B) are callbacks that `add_callback` puts before ours: they log before our metrics are
+added. `GNMRTrainer` puts the callback first, so they get them; with `add_callback` and a `report_to`, train begin
+says so once.
 
 Resume: the state is exported through `ExportableState`, so it is in every checkpoint's `trainer_state.json`
 (`stateful_callbacks`), which the Trainer loads on every resume, from any folder. With
@@ -43,26 +43,26 @@ warning.
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
+import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from transformers import TrainerCallback
-from transformers.trainer_callback import CallbackHandler, ExportableState
+from transformers.trainer_callback import ExportableState
 
-from .backends.adapters import active_adapters
 from .config import GNMRConfig
-from .controller import GNMRController, HostDecision
+from .controller import GNMRController, HostDecision, Selection
+from .registry import find_units, get_backend
 from .signals import UnitSignals
 from .trace import TraceSummary, TraceWriter, set_aside
-from .units import RecoverableUnit, apply_decision, close_live_units, find_units, unwrap_model
+from .units import RecoverableUnit, apply_decision, close_units, unwrap_model
 
 __all__ = ["GNMRCallback"]
 
@@ -70,6 +70,9 @@ logger = logging.getLogger("gnmr_hf")
 
 SUMMARY_FILE = "gnmr_summary.json"
 _METRICS = ("active", "entered", "exited", "candidates", "exceedance_rate", "max_risk", "skipped")
+# On the model: (this callback, weakly; the Trainer's state of the run) while a run manages its units. A second
+# GNMRCallback of the same run (the same state object) is refused; one left by an interrupted run is cleaned up.
+_RUN_ATTR = "_gnmr_run"
 
 
 class GNMRCallback(TrainerCallback, ExportableState):
@@ -79,6 +82,8 @@ class GNMRCallback(TrainerCallback, ExportableState):
         config: a `GNMRConfig`, or a dict of its fields (as stored in a checkpoint).
         module_filter_fn: optional `fn(module, fqn) -> bool` narrowing the units (not saved in checkpoints;
             use `config.include` / `config.exclude` for runs that restore callback state).
+        selection: a `Selection` that chooses the recovery set instead of the paper's policy (a baseline); such a
+            run does not resume.
         **config_kwargs: shorthand for `GNMRConfig` fields, e.g. `GNMRCallback(max_active=2)`.
     """
 
@@ -87,6 +92,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         config: GNMRConfig | dict[str, Any] | None = None,
         *,
         module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+        selection: Selection | None = None,
         **config_kwargs: Any,
     ) -> None:
         if isinstance(config, dict):
@@ -97,9 +103,12 @@ class GNMRCallback(TrainerCallback, ExportableState):
             raise TypeError("GNMRCallback: pass either a GNMRConfig or keyword fields, not both")
         if not isinstance(config, GNMRConfig):
             raise TypeError(f"GNMRCallback: config must be a GNMRConfig or a dict, got {type(config).__name__}")
+        if selection is not None and not isinstance(selection, Selection):
+            raise TypeError(f"GNMRCallback: selection must be a Selection, got {type(selection).__name__}")
         self.config = config
         self.module_filter_fn = module_filter_fn
-        self.units: list[RecoverableUnit] = []
+        self.selection = selection
+        self.units: Sequence[RecoverableUnit] = []
         self.signals: UnitSignals | None = None
         self.controller: GNMRController | None = None
         self.summary: TraceSummary | None = None
@@ -116,7 +125,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self._gradient_state: Any = None
         self._scaler: Any = None
         self._model: nn.Module | None = None
-        self._adapters: tuple[str, ...] | None = None
+        self._placed_first = False  # GNMRTrainer puts this callback ahead of the reporting integrations
         self._warmup_check_step = 0
         self._window: dict[str, float] = {}
         self._window_steps = 0
@@ -140,32 +149,40 @@ class GNMRCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if model is None:
             raise ValueError("GNMRCallback.on_train_begin: the Trainer passed no model")
-        handler = _calling_handler(inspect.currentframe())
-        if handler is not None:
-            others = [cb for cb in handler.callbacks if isinstance(cb, GNMRCallback) and cb is not self]
-            if others:
-                raise ValueError(
-                    "GNMRCallback: the Trainer has more than one GNMRCallback; one callback manages all units "
-                    "(narrow them with include/exclude/module_filter_fn instead)"
-                )
         _refuse_deepspeed(args)
+        model = unwrap_model(model)
+        run = model.__dict__.get(_RUN_ATTR)
+        owner, owner_state = (run[0](), run[1]) if run is not None else (None, None)
+        if owner is not None and owner is not self and owner_state is state:
+            raise ValueError(
+                "GNMRCallback: the Trainer has more than one GNMRCallback; one callback manages all units "
+                "(narrow them with include/exclude/module_filter_fn instead)"
+            )
         # Start from a clean model: a run interrupted by an exception or Ctrl-C skipped on_train_end and left its
         # units live (forward wrappers, hooks, recovery weights), this callback's or a callback the Trainer has
         # since replaced (restore_callback_states_from_checkpoint).
         self.close()
-        closed = close_live_units(model)
+        closed = close_units(model)
         if closed:
             logger.info("GNMR: closed %d units left live on the model by an earlier, interrupted train()", closed)
-        self._move_to_front(handler)
+        model.__dict__[_RUN_ATTR] = (weakref.ref(self), state)
         cfg = self.config
-        self._model = unwrap_model(model)
+        self._model = model
+        try:
+            backend = get_backend(cfg.backend)
+        except ValueError as err:
+            raise ValueError(f"GNMRConfig.backend: {err}") from None
+        try:
+            options = backend.parse_options(cfg.backend_options)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"GNMRConfig.backend_options: {err}") from None
         self.units = find_units(
-            self._model,
-            cfg.backend,
+            model,
+            backend,
             include=cfg.include,
             exclude=cfg.exclude,
             module_filter_fn=self.module_filter_fn,
-            backend_options=cfg.backend_options,
+            backend_options=options,
         )
         try:
             self._start(args, state, optimizer)
@@ -179,13 +196,25 @@ class GNMRCallback(TrainerCallback, ExportableState):
         """Everything after unit discovery: signals, controller, restored state, hooks, recovery set, trace."""
         cfg = self.config
         names = [u.name for u in self.units]
-        self.signals = UnitSignals(self.units, dp_group=_data_parallel_group())
-        self.controller = GNMRController(cfg, len(self.units), device=self.signals.device)
+        self.signals = UnitSignals(self.units, dp_group=_data_parallel_group(), model=self._model)
+        if self.selection is not None:
+            if state.global_step > 0:
+                raise ValueError(
+                    f"GNMRCallback: selection {self.selection.name!r} does not resume; start the run anew"
+                )
+            self.selection.bind(names, self.signals.device)
+        self.controller = GNMRController(cfg, len(self.units), self.signals.device, selection=self.selection)
         self.summary = TraceSummary(unit_names=names)
         self._restore(state, names)
         self._gradient_state = _gradient_state()
         self._scaler = _loss_scaler(optimizer)
-        self._adapters = active_adapters(self._model)
+        if getattr(args, "report_to", None) and not self._placed_first:
+            logger.warning(
+                "GNMR: reporting integrations %s come before this callback in the Trainer's list (add_callback "
+                "appends), so they log before the gnmr/* metrics are added; the metrics still reach "
+                "state.log_history and the console. Use GNMRTrainer to have them everywhere.",
+                list(args.report_to),
+            )
         self._warmup_check_step = self.controller.step if self.controller.step >= cfg.min_history + cfg.window else 0
         self._install_capture_hooks()
         if not cfg.monitor_only:
@@ -223,7 +252,11 @@ class GNMRCallback(TrainerCallback, ExportableState):
         step = state.global_step + 1  # the optimizer step being taken (global_step counts it after on_step_end)
         pending, self._pending = self._pending, None
         self._queued = False
-        self._check_adapters()
+        try:
+            self.signals.check()
+        except ValueError:
+            self.close()
+            raise
         if pending is None:
             # No backward reached the model's outputs this step: every unit is missing.
             n, device = self.controller.num_units, self.controller.device
@@ -291,19 +324,10 @@ class GNMRCallback(TrainerCallback, ExportableState):
             self._trace.close()
             self._trace = None
         self._pending, self._queued = None, False
-
-    def _move_to_front(self, handler: CallbackHandler | None) -> None:
-        # Trainer.log() passes one `logs` dict to the callbacks in list order; the reporting integrations
-        # (TensorBoard, W&B, ...) are usually ahead of a callback added with `add_callback`, so our metrics
-        # must be added first.
-        if handler is not None and self in handler.callbacks:
-            handler.callbacks.remove(self)
-            handler.callbacks.insert(0, self)
-        else:
-            logger.warning(
-                "GNMR: could not find the Trainer's callback list; GNMR metrics will reach state.log_history "
-                "but maybe not reporting integrations listed before this callback"
-            )
+        if self._model is not None:
+            run = self._model.__dict__.get(_RUN_ATTR)
+            if run is not None and run[0]() is self:
+                del self._model.__dict__[_RUN_ATTR]
 
     def _restore(self, state: Any, names: list[str]) -> None:
         """Restore the controller from the state the Trainer rebuilt this callback with, or else from the
@@ -389,26 +413,13 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self._scale_at_capture = None
         return skipped.reshape(())
 
-    def _check_adapters(self) -> None:
-        if self._adapters is None or self._model is None:
-            return
-        now = active_adapters(self._model)
-        if now != self._adapters:
-            before = self._adapters
-            self.close()
-            raise ValueError(
-                f"GNMRCallback: the model's active adapters changed from {list(before)} to {list(now or ())} after "
-                "training began; GNMR scores each unit on the adapters active at train begin and would read the "
-                "wrong ones. Change adapters between train() calls: each call finds the units again"
-            )
-
     def _warn_unscored(self, decision: HostDecision) -> None:
         missing = decision.no_history
         if missing is None or not len(missing):
             return
         names = [self.units[i].name for i in missing]
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        kinds = Counter(getattr(self.units[i], "signal", "?") for i in missing)
+        kinds = Counter(self.units[i].signal for i in missing)
         logger.warning(
             "GNMR: after %d steps, %d of %d units still have no score (fewer than min_history=%d gradients, or only "
             "zero gradients), so GNMR cannot protect them: %s (signal kinds: %s). A unit scored on its output "
@@ -441,12 +452,6 @@ class GNMRCallback(TrainerCallback, ExportableState):
         metrics["gnmr/exceedance_rate"] = w.get("exceedance_rate", 0.0) / steps
         self._window, self._window_steps = {}, 0
         return metrics
-
-
-def _calling_handler(frame: Any) -> CallbackHandler | None:
-    """The Trainer's `CallbackHandler` calling this event (it owns the callback list), if it is the caller."""
-    caller = frame.f_back.f_locals.get("self") if frame is not None and frame.f_back else None
-    return caller if isinstance(caller, CallbackHandler) else None
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:

@@ -14,8 +14,11 @@ straightforward vectorized step is as fast as hand-tuned variants (docs/performa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +27,8 @@ import torch
 
 from .config import GNMRConfig
 
-__all__ = ["Decision", "GNMRController", "HostDecision"]
+__all__ = ["Decision", "GNMRController", "HostDecision", "Selection"]
 
-# Version 3: the GNMR window is stored as raw values (`gnmr_window`); version 2 kept block suffix sums.
 _STATE_VERSION = 3
 _TENSOR_STATE = ("norm_sum", "norm_count", "gnmr_window", "locks")
 # Kept only with `relapse_lock` (an older state without them loads as "no relapse seen yet").
@@ -142,6 +144,32 @@ class Decision:
         )
 
 
+class Selection(ABC):
+    """Chooses the recovery set in place of the paper's policy: the pluggable part of the controller.
+
+    The controller still scores every unit as GNMR does (so a trace has GNMR's risks whatever chose the set) and
+    hands `select` the step's `Decision`; the set it returns is the one applied, within no budget but its own.
+    Baselines (`gnmr_hf.experiments.baselines`) are selections. A selection keeps no checkpointed state: a run
+    with one does not resume.
+    """
+
+    name = "selection"
+
+    def bind(self, names: Sequence[str], device: torch.device) -> None:
+        """Called once, before the first step, with the units' names (in controller order) and the device."""
+        self.names = list(names)
+        self.num_units = len(self.names)
+        self.device = device
+
+    def initial(self) -> torch.Tensor:
+        """The set that runs at step 1 (bool [N]); by default none."""
+        return torch.zeros(self.num_units, dtype=torch.bool, device=self.device)
+
+    @abstractmethod
+    def select(self, decision: Decision, norms: torch.Tensor, missing: torch.Tensor | None) -> torch.Tensor:
+        """The set for step `decision.step + 1` (bool [N] on the controller's device)."""
+
+
 class GNMRController:
     """Scores N units from their gradient norms and picks which run in recovery, under a hard budget.
 
@@ -149,13 +177,21 @@ class GNMRController:
         config: the policy (`max_active`, `lock_steps`, `window`, `alpha`, `beta`, `min_history`, schedule).
         num_units: N, fixed for the controller's life (a changed N is an error, not a silent reset).
         device: where the state lives; `observe()` takes norms on this device.
+        selection: chooses the recovery set instead of the paper's policy (bound to the units by the caller);
+            None for the paper's.
 
     State (`state_dict()`): `norm_sum`, `norm_count` (float64: the history of valid norms), `gnmr_window`
     (float64 [window, N]: the GNMR of the last `window` steps, NaN where a step had no score) and `locks`
     (int32). `active` is derived: a unit is in recovery exactly while its lock is > 0.
     """
 
-    def __init__(self, config: GNMRConfig, num_units: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        config: GNMRConfig,
+        num_units: int,
+        device: torch.device | str = "cpu",
+        selection: Selection | None = None,
+    ) -> None:
         if not isinstance(config, GNMRConfig):
             raise TypeError(f"GNMRController: config must be a GNMRConfig, got {type(config).__name__}")
         if isinstance(num_units, bool) or not isinstance(num_units, int) or num_units < 1:
@@ -170,7 +206,8 @@ class GNMRController:
         self.norm_count = torch.zeros(num_units, **f64)
         self.gnmr_window = torch.full((config.window, num_units), torch.nan, **f64)
         self.locks = torch.zeros(num_units, dtype=torch.int32, device=self.device)
-        self.active = self.locks > 0
+        self.selection = selection
+        self.active = self.locks > 0 if selection is None else selection.initial().to(self.device)
         self._before_last: tuple[Any, ...] | None = None  # what `revert()` restores
         if config.relapse_lock:
             # Relapse-aware lock (docs/method.md): each unit's current full lock, and the step it last left recovery.
@@ -235,7 +272,8 @@ class GNMRController:
         # History: valid norms only, added after scoring since the mean is over the *past* norms. New tensors
         # (and the one overwritten window row kept), so that `revert()` can put the previous state back.
         pos = (t - 1) % cfg.window
-        self._before_last = (self.step, self.norm_sum, self.norm_count, self.gnmr_window[pos].clone(), self.locks)
+        before = (self.step, self.norm_sum, self.norm_count, self.gnmr_window[pos].clone(), self.locks, self.active)
+        self._before_last = before
         self.norm_sum = self.norm_sum + torch.where(valid, n, 0.0)
         self.norm_count = self.norm_count + valid
         self.gnmr_window[pos] = gnmr
@@ -255,7 +293,7 @@ class GNMRController:
 
         previous = self.active
         self.locks, self.active, self.step = locks, selected, t
-        return Decision(
+        decision = Decision(
             step=t,
             alpha=alpha,
             beta=beta,
@@ -270,6 +308,14 @@ class GNMRController:
             exited=previous & ~selected,
             locks=locks,
             has_history=(self.norm_count >= cfg.min_history) & (self.norm_sum > 0),
+        )
+        if self.selection is None:
+            return decision
+        # GNMR's scores and risky set stay; the selection's set is the one applied (its own "candidates").
+        active = self.selection.select(decision, norms, missing).to(self.device)
+        self.active = active
+        return dataclasses.replace(
+            decision, active=active, entered=active & ~previous, exited=previous & ~active, candidates=active
         )
 
     def _relapse_lock(self, t: int, entering: torch.Tensor) -> torch.Tensor:
@@ -294,10 +340,9 @@ class GNMRController:
         """
         if self._before_last is None:
             raise RuntimeError("GNMRController.revert: there is no observed step to revert (only the last one can be)")
-        step, norm_sum, norm_count, row, locks = self._before_last
+        step, norm_sum, norm_count, row, locks, active = self._before_last
         self.gnmr_window[step % self.config.window] = row
-        self.step, self.norm_sum, self.norm_count, self.locks = step, norm_sum, norm_count, locks
-        self.active = locks > 0
+        self.step, self.norm_sum, self.norm_count, self.locks, self.active = step, norm_sum, norm_count, locks, active
         self._before_last = None
         if self.config.relapse_lock and self._relapse_before is not None:
             self.lock_length, self.exited_at = self._relapse_before
@@ -336,23 +381,19 @@ class GNMRController:
         return state
 
     def load_state_dict(self, state: dict[str, Any] | str) -> None:
-        """Restore from `state_dict()` or `json_state()` (also after a `json.dumps`/`json.loads` round trip).
-
-        A version-2 state (gnmr-hf 0.1.0) is converted: its window then held block suffix sums.
-        """
+        """Restore from `state_dict()` or `json_state()` (also after a `json.dumps`/`json.loads` round trip)."""
         if isinstance(state, str):
             state = json.loads(state)
         if not isinstance(state, dict):
             raise TypeError(f"GNMRController.load_state_dict: state must be a dict, got {type(state).__name__}")
         version = state.get("version")
-        tensor_keys = _TENSOR_STATE if version != 2 else ("norm_sum", "norm_count", "gnmr_ring", "locks")
-        missing = [k for k in ("version", "num_units", "window", "step", *tensor_keys) if k not in state]
+        missing = [k for k in ("version", "num_units", "window", "step", *_TENSOR_STATE) if k not in state]
         if missing:
             raise KeyError(f"GNMRController.load_state_dict: state is missing {missing}")
-        if version not in (2, _STATE_VERSION):
+        if version != _STATE_VERSION:
             raise ValueError(
                 f"GNMRController.load_state_dict: state version {version!r} is not supported "
-                f"(expected {_STATE_VERSION}, or 2 from gnmr-hf 0.1.0)"
+                f"(expected {_STATE_VERSION})"
             )
         if state["num_units"] != self.num_units:
             raise ValueError(
@@ -368,8 +409,8 @@ class GNMRController:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"GNMRController.load_state_dict: step must be an int >= 0, got {step!r}")
         loaded = {}
-        for name, key in zip(_TENSOR_STATE, tensor_keys, strict=True):
-            dtype = getattr(self, name).dtype
+        for key in _TENSOR_STATE:
+            dtype = getattr(self, key).dtype
             value = state[key]
             if not isinstance(value, torch.Tensor):
                 # JSON form: nested lists, with null for NaN (numpy reads None as NaN in a float array).
@@ -377,21 +418,19 @@ class GNMRController:
                     value = torch.from_numpy(np.array(value, dtype=np.float64 if dtype == torch.float64 else None))
                 except (TypeError, ValueError) as err:
                     raise ValueError(f"GNMRController.load_state_dict: {key} is not a numeric array: {err}") from None
-            if name == "locks":
+            if key == "locks":
                 # A state saved with a longer lock_steps is cut to this config's; a negative lock is corrupt.
                 value = value.to(torch.int64)
                 if (value < 0).any():
                     raise ValueError("GNMRController.load_state_dict: locks must be >= 0")
                 value = value.clamp(max=self._longest_lock())
             value = value.to(device=self.device, dtype=dtype)
-            expected = getattr(self, name).shape
+            expected = getattr(self, key).shape
             if value.shape != expected:
                 raise ValueError(
                     f"GNMRController.load_state_dict: {key} has shape {tuple(value.shape)}, expected {tuple(expected)}"
                 )
-            loaded[name] = value.clone()
-        if version == 2:
-            loaded["gnmr_window"] = _window_from_suffix_sums(loaded["gnmr_window"], step)
+            loaded[key] = value.clone()
         if self.config.relapse_lock:
             loaded.update(self._load_relapse_state(state))
         for name, value in loaded.items():
@@ -451,18 +490,3 @@ def top_indices(key: torch.Tensor, k: int) -> torch.Tensor:
     chosen_idx.scatter_(0, place, torch.arange(n, device=key.device))
     chosen_idx = chosen_idx[:k]
     return chosen_idx[torch.argsort(key[chosen_idx], descending=True, stable=True)]
-
-
-def _window_from_suffix_sums(ring: torch.Tensor, step: int) -> torch.Tensor:
-    """The raw GNMR window from a version-2 ring (gnmr-hf 0.1.0), which kept the steps in blocks of `window`:
-    slots up to the last written one held raw values of the current block, and the later slots (all of 1..window-2
-    right after a block ended) the suffix sums of the previous block. Differences of suffix sums recover those
-    values to an ulp or two (the sums were of non-negative values). A NaN stays NaN, which changes no future window
-    sum: every later window that holds a slot also holds the slots after it, where the NaN came from."""
-    window = ring.shape[0]
-    last = (step - 1) % window
-    first_suffix = 1 if last == window - 1 else last + 1
-    raw = ring.clone()
-    for j in range(first_suffix, window - 1):
-        raw[j] = ring[j] - ring[j + 1]
-    return raw

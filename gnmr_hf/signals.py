@@ -1,4 +1,9 @@
-"""Per-unit gradient norms in one fused pass, with no device-to-host sync, identical on every rank.
+"""What a unit is scored on (its `Signal`), and the per-unit gradient norms of all units in one fused pass, with no
+device-to-host sync, identical on every rank.
+
+A unit's signal is one of: its peft adapters' trainable tensors (`lora`), its own trainable weight (`weight`), or
+the gradient flowing into its output (`output_grad`, an `OutputGradMeter`). peft is asked which tuner layer wraps
+which base module (`BaseTunerLayer.get_base_layer()`), never name suffixes, and imported only when installed.
 
 A unit's signal is the L2 norm of the gradients of its signal tensors (for LoRA: lora_A and lora_B of every
 active adapter) taken together: sqrt(sum_j ||g_j||^2). Computing that with a Python loop of `.norm()` calls
@@ -21,21 +26,177 @@ Several processes. The decisions must be the same on every rank, so the norms mu
   differ per rank; with `dp_group` their squares and whether they fired are summed across the data-parallel
   group, so every rank scores the whole global batch and agrees on which units are missing.
 
-DeepSpeed ZeRO keeps gradients inside its engine (`.grad` may be None after its reduction); the Trainer
-callback refuses it rather than reading every unit as missing.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-from .units import OutputGradMeter, RecoverableUnit
+from .options import BackendOptions
 
-__all__ = ["UnitSignals"]
+__all__ = [
+    "SIGNALS",
+    "OutputGradMeter",
+    "Signal",
+    "SignalOptions",
+    "UnitSignals",
+    "active_adapters",
+    "adapter_tensors",
+    "resolve_signal",
+    "signal_option",
+    "tuner_layers",
+]
+
+
+# The gradient a linear-like unit can be scored on; "auto" picks the first that exists in this order.
+SIGNALS = ("auto", "lora", "weight", "output_grad")
+
+
+def signal_option(weight: str = "its own trainable weight", note: str = "") -> Any:
+    """The `signal` field every backend's options declare (validated with `check_choice("signal", SIGNALS)`)."""
+    return field(
+        default="auto",
+        metadata={
+            "help": f"The gradient a unit is scored on: 'lora' (its LoRA parameters), 'weight' ({weight}), "
+            f"'output_grad' (the gradient of its output), or 'auto' (lora, else weight, else output_grad).{note}"
+        },
+    )
+
+
+@dataclass
+class SignalOptions(BackendOptions):
+    """Options with the `signal` choice every linear-like backend offers (see `gnmr_hf.signals.resolve_signal`)."""
+
+    signal: str = signal_option()
+
+    def __post_init__(self) -> None:
+        self.check_choice("signal", SIGNALS)
+
+
+def tuner_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """{id(base module): the peft tuner layer wrapping it} over `model` (empty without peft)."""
+    layers: dict[int, nn.Module] = {}
+    if importlib.util.find_spec("peft") is not None:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for candidate in model.modules():
+            if isinstance(candidate, BaseTunerLayer):
+                layers[id(candidate.get_base_layer())] = candidate
+    return layers
+
+
+def adapter_tensors(tuner: nn.Module) -> list[torch.Tensor]:
+    """Trainable parameters of the active adapters of a peft tuner layer, in peft's own layer-name order.
+
+    Several active adapters (`set_adapter(["a", "b"])`) all count. Keyed by identity: peft lists a DoRA layer's
+    name twice in `adapter_layer_names`, and a parameter may be shared; counted twice it would double its share
+    of the unit's norm.
+    """
+    active = set(tuner.active_adapters)
+    tensors: dict[int, torch.Tensor] = {}
+    for layer_name in tuner.adapter_layer_names:
+        for adapter, layer in getattr(tuner, layer_name).items():
+            if adapter not in active:
+                continue
+            params = [layer] if isinstance(layer, nn.Parameter) else list(layer.parameters())
+            tensors.update((id(p), p) for p in params if p.requires_grad)
+    return list(tensors.values())
+
+
+def active_adapters(model: nn.Module) -> tuple[str, ...] | None:
+    """The active adapters of a peft model (or of a transformers model with adapters loaded), else None."""
+    value: Any = getattr(model, "active_adapters", None)
+    if callable(value):  # transformers' integration: a method that raises when no adapter is loaded
+        try:
+            value = value()
+        except (ValueError, AttributeError):
+            return None
+    if value is None:
+        return None
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+@dataclass
+class Signal:
+    """What a unit is scored on: `kind` ("lora", "weight" or "output_grad") and the tensors whose `.grad` is the
+    signal (empty for "output_grad", which meters the gradient of the module's output instead)."""
+
+    kind: str
+    tensors: list[torch.Tensor]
+
+
+def resolve_signal(choice: str, name: str, module: nn.Module, tuner: nn.Module | None, backend: str) -> Signal:
+    """The signal of a linear-like unit for the option `signal=choice`.
+
+    "lora": the trainable tensors of the active adapters of the peft layer around the module; "weight": the
+    module's own weight, when it is trainable; "output_grad": an `OutputGradMeter` on the module's output (it
+    fires only where the output requires grad: before the first trainable parameter, call
+    `model.enable_input_require_grads()`); "auto": lora, else weight, else output_grad.
+    """
+    lora = adapter_tensors(tuner) if tuner is not None else []
+    weight = getattr(module, "weight", None)
+    trainable_weight = isinstance(weight, torch.Tensor) and weight.requires_grad
+    kind = choice
+    if kind == "auto":
+        kind = "lora" if lora else "weight" if trainable_weight else "output_grad"
+    if kind == "lora" and not lora:
+        raise ValueError(
+            f"{backend} unit {name!r}: signal='lora' but the module has no peft adapter with trainable parameters; "
+            "use signal='weight' or 'output_grad', or exclude it"
+        )
+    if kind == "weight" and not trainable_weight:
+        raise ValueError(
+            f"{backend} unit {name!r}: signal='weight' but its weight does not require grad; use signal='lora' or "
+            "'output_grad'"
+        )
+    return Signal(kind, {"lora": lora, "weight": [weight], "output_grad": []}[kind])
+
+
+class OutputGradMeter:
+    """Accumulates ||dL/d output||^2 of one module over the backward passes of an optimizer step.
+
+    The fallback signal for a unit with no trainable parameter of its own: a forward hook puts a tensor hook on
+    the module's output, so the meter sees the gradient flowing into the module. Over gradient accumulation the
+    squared norms of the micro-batches add up (their outputs are different tensors, so there is no single
+    accumulated gradient to take the norm of); `take()` returns the sum and resets it.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.sq: torch.Tensor | None = None
+        self._handle = module.register_forward_hook(self._on_forward)
+
+    def _on_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+            out.register_hook(self._on_grad)
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        self.sq = sq if self.sq is None else self.sq + sq
+
+    def take(self) -> torch.Tensor | None:
+        sq, self.sq = self.sq, None
+        return sq
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class ScoredUnit(Protocol):
+    """What `UnitSignals` reads of a unit (a `gnmr_hf.units.RecoverableUnit`)."""
+
+    name: str
+    module: nn.Module
+    output_grad: OutputGradMeter | None
+
+    def signal_tensors(self) -> list[torch.Tensor]: ...
 
 
 def _shard_groups(tensor: torch.Tensor) -> tuple[Any, ...] | None:
@@ -59,10 +220,16 @@ class UnitSignals:
         device: where the norms live (default: the first signal tensor's device).
         dp_group: the data-parallel process group over which output-gradient meters are summed, when several
             processes train on different data (DDP, FSDP); None for one process.
+        model: the model the units belong to; its active peft adapters are recorded, and `check()` refuses a
+            change of them (the `lora` signals were resolved for these adapters).
     """
 
     def __init__(
-        self, units: Sequence[RecoverableUnit], device: torch.device | str | None = None, dp_group: Any = None
+        self,
+        units: Sequence[ScoredUnit],
+        device: torch.device | str | None = None,
+        dp_group: Any = None,
+        model: nn.Module | None = None,
     ) -> None:
         if not units:
             raise ValueError("UnitSignals: units must be a non-empty sequence of RecoverableUnit")
@@ -107,6 +274,21 @@ class UnitSignals:
         }
         self.sharded = len(self._members) > 1
         self._none_missing = torch.zeros(self.num_units, dtype=torch.bool, device=self.device)
+        self._model = model
+        self._adapters = active_adapters(model) if model is not None else None
+
+    def check(self) -> None:
+        """Raise if the model's active adapters changed since the signals were built: a unit's `lora` signal
+        would then read the gradients of adapters that no longer train. Host only (no sync)."""
+        if self._adapters is None or self._model is None:
+            return
+        now = active_adapters(self._model)
+        if now != self._adapters:
+            raise ValueError(
+                f"GNMR: the model's active adapters changed from {list(self._adapters)} to {list(now or ())} after "
+                "training began; GNMR scores each unit on the adapters active at train begin and would read the "
+                "wrong ones. Change adapters between train() calls: each call finds the units again"
+            )
 
     def _squares(self, key: tuple[Any, ...] | None, has_grad: list[bool]) -> torch.Tensor:
         """[N] sums of the squared gradient norms of one group's tensors (local shards for sharded ones), each

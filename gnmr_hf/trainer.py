@@ -32,6 +32,9 @@ class GNMRTrainer(Trainer):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.gnmr = GNMRCallback(gnmr_config, module_filter_fn=gnmr_module_filter_fn)
+        # First in the list: Trainer.log() hands one dict to the callbacks in order, so the reporting
+        # integrations after it see the GNMR metrics it adds.
+        self.gnmr._placed_first = True
         self.callback_handler.callbacks.insert(0, self.gnmr)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:

@@ -33,34 +33,19 @@ filtered out by that default without a word).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
-from gnmr_hf import GNMRConfig
-from gnmr_hf.backends.block_fp import BlockFPOptions
 from gnmr_hf.experiments.pretrain import parse_recipe_arguments, run_recipe
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
-LM_HEAD = r"^lm_head$"
-
-
-def with_output_head(config: GNMRConfig, argv: list[str]) -> GNMRConfig:
-    """`config`, with lm_head added to the default include when `quantize_lm_head=true` and `--include` was not
-    given; an explicit `--include` is the user's choice and is kept as it is."""
-    include_given = any(a == "--include" or a.startswith("--include=") for a in argv)
-    if (
-        config.backend != "block_fp"
-        or include_given
-        or not BlockFPOptions.parse(config.backend_options).quantize_lm_head
-    ):
-        return config
-    return dataclasses.replace(config, include=[*(config.include or PROJECTIONS), LM_HEAD])
+# The default units: every projection, and the output head, which the backend makes a unit only with
+# quantize_lm_head=true (so the recipe never needs to read the backend's options itself).
+DEFAULT_UNITS = [*PROJECTIONS, r"^lm_head$"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
-    args, pretrain, config = parse_recipe_arguments(argv, backend="block_fp", include=PROJECTIONS)
-    config = with_output_head(config, argv)
+    args, pretrain, config = parse_recipe_arguments(argv, backend="block_fp", include=DEFAULT_UNITS)
     return run_recipe(args, pretrain, config)
 
 

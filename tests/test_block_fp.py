@@ -6,7 +6,6 @@ is tested in tests/test_quant.py; here it is the backend's use of it."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -72,8 +71,9 @@ def test_options_come_as_keywords_config_fields_or_command_line_text():
     ],
 )
 def test_invalid_options_raise_an_error_naming_the_option(options, message):
+    # Checked by the backend when the units are built (the config is a leaf).
     with pytest.raises((ValueError, TypeError), match=message.replace("[", r"\[").replace("]", r"\]")):
-        GNMRConfig(backend="block_fp", backend_options=options)
+        find_units(tiny_llama(), "block_fp", backend_options=GNMRConfig(backend_options=options).backend_options)
 
 
 def test_only_block_linears_are_units_and_lm_head_joins_only_when_asked():
@@ -89,23 +89,18 @@ def test_the_recipe_adds_lm_head_to_its_default_units_when_quantize_lm_head_is_s
     module = recipe()
     model = tiny_llama()
 
-    def names(argv):
-        config = GNMRConfig(backend="block_fp", backend_options="low_format=e2m1,quantize_lm_head=true")
-        config = module.with_output_head(dataclasses.replace(config, include=module.PROJECTIONS), argv)
-        units = find_units(
-            model, "block_fp", include=config.include, exclude=config.exclude, backend_options=config.backend_options
-        )
+    def names(options, include):
+        units = find_units(model, "block_fp", include=include, backend_options=options)
         try:
             return [u.name for u in units]
         finally:
-            for unit in units:
-                unit.close()
+            units.close()
 
-    # Without the fix the projection-only default include would filter the head out without a word.
-    assert names([]) == [*names(["--include", module.PROJECTIONS[0]]), "lm_head"]
-    assert len(names(["--include", module.PROJECTIONS[0]])) == 2 * 7  # an explicit --include is kept as given
-    plain = GNMRConfig(backend="block_fp", backend_options="low_format=e2m1", include=module.PROJECTIONS)
-    assert module.with_output_head(plain, []) is plain
+    head = "low_format=e2m1,quantize_lm_head=true"
+    # Without the head in the default include, the projection-only default would filter it out without a word.
+    assert names(head, module.DEFAULT_UNITS) == [*names(head, module.PROJECTIONS), "lm_head"]
+    assert len(names(head, module.PROJECTIONS)) == 2 * 7  # an explicit --include is kept as given
+    assert names("low_format=e2m1", module.DEFAULT_UNITS) == names(head, module.PROJECTIONS)
 
 
 # ------------------------------------------------------------------------------------------ what is rounded how

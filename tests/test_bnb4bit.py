@@ -25,7 +25,7 @@ from torch import nn
 from gnmr_hf import GNMRConfig, find_units
 from gnmr_hf.backends.bnb import Bnb4bitUnit
 from gnmr_hf.experiments.tiny import build_tiny_llama, load_4bit_lora
-from gnmr_hf.units import get_backend
+from gnmr_hf.registry import get_backend
 
 from trainer_utils import (
     CFG,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -200,10 +201,9 @@ def test_monitor_only_scores_and_logs_but_never_flips(tiny_llama_dir, dataset, t
     assert any("gnmr/max_risk" in logs for logs in rec.logs)
 
 
-def test_metrics_reach_reporting_callbacks_added_before_gnmr(tiny_llama_dir, dataset, tmp_path):
+def test_gnmr_trainer_puts_the_metrics_ahead_of_every_other_callback(tiny_llama_dir, dataset, tmp_path):
     rec = Recorder()
-    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path, gnmr=False, callbacks=[rec])
-    trainer.add_callback(GNMRCallback(GNMRConfig(**CFG)))  # added last, like a user would
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path, trainer_cls=GNMRTrainer, callbacks=[rec])
     trainer.train()
     keys = {"gnmr/active", "gnmr/entered", "gnmr/exited", "gnmr/candidates", "gnmr/exceedance_rate"}
     step_logs = [logs for logs in rec.logs if "loss" in logs]
@@ -212,6 +212,22 @@ def test_metrics_reach_reporting_callbacks_added_before_gnmr(tiny_llama_dir, dat
     assert all(keys <= set(h) for h in history)
     entered = sum(h["gnmr/entered"] for h in history)
     assert entered >= 1  # the spike entered, and the flips of every step are summed between logs
+
+
+def test_add_callback_behind_reporting_integrations_says_which_miss_the_metrics(
+    tiny_llama_dir, dataset, tmp_path, caplog
+):
+    rec = Recorder()
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path, gnmr=False, callbacks=[rec], max_steps=2)
+    trainer.add_callback(GNMRCallback(GNMRConfig(**CFG)))  # added last, like a user would
+    trainer.args.report_to = ["tensorboard"]  # what the warning reads; no integration needs to run for it
+    with caplog.at_level(logging.WARNING, logger="gnmr_hf"):
+        trainer.train()
+    assert "reporting integrations ['tensorboard'] come before this callback" in caplog.text
+    assert "Use GNMRTrainer" in caplog.text
+    # The callback ahead of GNMR logged before the metrics were added; the log history has them.
+    assert not any("gnmr/active" in logs for logs in rec.logs)
+    assert all("gnmr/active" in h for h in trainer.state.log_history if "loss" in h)
 
 
 def test_summary_and_trace_are_written(tiny_llama_dir, dataset, tmp_path):

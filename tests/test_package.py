@@ -21,16 +21,79 @@ def test_import_gnmr_hf_imports_no_optional_or_trainer_dependency():
 
 def test_configuring_and_importing_the_optional_backends_imports_neither_torchao_nor_bitsandbytes():
     code = (
-        "import sys, gnmr_hf; from gnmr_hf.units import get_backend; "
+        "import sys, gnmr_hf; from gnmr_hf.registry import get_backend; "
         "import gnmr_hf.backends.torchao as t, gnmr_hf.backends.bnb as b; "
         "[get_backend(n).parse_options('signal=auto') for n in ('bnb_int8', 'bnb_4bit', 'torchao_float8')]; "
         "gnmr_hf.GNMRConfig(backend='torchao_float8', backend_options='signal=weight'); "
         "gnmr_hf.GNMRConfig(backend='bnb_4bit', backend_options='source=dequantize'); "
-        "assert t.is_torchao_available() and b.is_bnb_available(); "
         "print([m for m in ('torchao', 'bitsandbytes', 'peft', 'transformers') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _imports(path) -> set[str]:
+    """The gnmr_hf modules a file imports (anywhere in it, lazily too), as dotted names."""
+    import ast
+
+    package = "gnmr_hf." + ".".join(path.relative_to(ROOT / "gnmr_hf").with_suffix("").parts)
+    package = package.removesuffix(".__init__")
+    parts = package.split(".") if path.name == "__init__.py" else package.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = parts[: len(parts) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found.update(f"{module}.{a.name}" if not node.module else module for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.startswith("gnmr_hf") or m in ("peft", "inspect")}
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_the_import_graph_has_no_cycle_and_the_seams_point_one_way():
+    modules = {}
+    for path in (ROOT / "gnmr_hf").rglob("*.py"):
+        name = "gnmr_hf." + ".".join(path.relative_to(ROOT / "gnmr_hf").with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = _imports(path)
+
+    def resolve(target: str) -> str | None:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    graph = {m: {t for t in map(resolve, deps) if t and t != m} for m, deps in modules.items()}
+    # A package's __init__ re-exporting its own modules is not an edge back into it.
+    graph["gnmr_hf"] = set()
+    seen, stack = set(), []
+
+    def visit(node: str) -> None:
+        assert node not in stack, f"import cycle: {' -> '.join([*stack[stack.index(node) :], node])}"
+        if node in seen:
+            return
+        stack.append(node)
+        for nxt in graph[node]:
+            visit(nxt)
+        stack.pop()
+        seen.add(node)
+
+    for module in graph:
+        visit(module)
+    assert not any(
+        m.startswith(("gnmr_hf.units", "gnmr_hf.backends", "gnmr_hf.registry")) for m in graph["gnmr_hf.config"]
+    )
+    assert not any(m.startswith("gnmr_hf.backends") or m == "peft" for m in modules["gnmr_hf.callback"])
+    assert not any(
+        "experiments" in m
+        for lib, deps in graph.items()
+        if "experiments" not in lib
+        for m in deps
+        if lib != "gnmr_hf.cli"
+    )
+    for path in (ROOT / "gnmr_hf").rglob("*.py"):
+        assert "currentframe" not in path.read_text() and "f_back" not in path.read_text(), path
 
 
 def test_every_public_name_resolves():

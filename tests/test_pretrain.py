@@ -8,11 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from gnmr_hf import GNMRConfig, find_units
+from gnmr_hf import GNMRConfig, GNMRController, find_units
 from gnmr_hf.experiments.baselines import (
     FixedSetPolicy,
     GlobalZScorePolicy,
-    PolicyController,
     RandomPolicy,
     StaticPolicy,
     best_static_units,
@@ -72,9 +71,9 @@ def test_the_llama_config_has_the_asked_shape():
 
 def controller_for(policy, n=8, **config):
     units = find_units(nn.Sequential(*[nn.Linear(2, 2) for _ in range(n)]), "act_quant")
-    policy.bind(units, torch.device("cpu"))
+    policy.bind(units.names, torch.device("cpu"))
     cfg = GNMRConfig(backend="act_quant", **config)
-    return PolicyController(cfg, n, policy), units
+    return GNMRController(cfg, n, selection=policy), units
 
 
 def run_policy(controller, steps, spike_at=None, spike_unit=0, n=8):
@@ -109,7 +108,7 @@ def test_a_fixed_carve_out_keeps_exactly_its_units():
     controller, units = controller_for(FixedSetPolicy(["1", "5"]))
     assert run_policy(controller, 5).nonzero()[:, 1].unique().tolist() == [1, 5]
     with pytest.raises(ValueError, match="not units"):
-        FixedSetPolicy(["nope"]).bind(units, torch.device("cpu"))
+        FixedSetPolicy(["nope"]).bind(units.names, torch.device("cpu"))
 
 
 def test_the_first_last_carve_out_alternates_the_end_layers():

@@ -14,7 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from gnmr_hf import GNMRConfig, GNMRController, RecoverableUnit, RecoveryLedger, apply_decision
+from gnmr_hf import (
+    DispatchContext,
+    GNMRConfig,
+    GNMRController,
+    RecoverableUnit,
+    RecoveryLedger,
+    Signal,
+    apply_decision,
+)
 from gnmr_hf.experiments.demo import GradientSpikeCallback
 
 from trainer_utils import CFG, gnmr_of, make_trainer, steps_of
@@ -38,25 +46,15 @@ class SizedUnit(RecoverableUnit):
     """A unit that holds `nbytes` in its ledger while in recovery."""
 
     def __init__(self, i: int, nbytes: int, ledger: RecoveryLedger) -> None:
-        super().__init__(f"u{i}", nn.Identity())
-        self.nbytes, self.ledger, self.on = nbytes, ledger, False
+        self.nbytes = nbytes
+        module = nn.Identity()
+        super().__init__(f"u{i}", module, DispatchContext(module, "sized", ledger=ledger))
 
-    @property
-    def in_recovery(self) -> bool:
-        return self.on
+    def find_signal(self, ctx: DispatchContext) -> Signal:
+        return Signal("none", [])
 
-    def signal_tensors(self):
-        return []
-
-    def enter_recovery(self) -> None:
-        if not self.on:
-            self.on = True
-            self.ledger.hold(self, self.nbytes)
-
-    def exit_recovery(self) -> None:
-        if self.on:
-            self.on = False
-            self.ledger.release(self)
+    def _enter(self) -> int:
+        return self.nbytes
 
     def recovery_bytes(self) -> int:
         return self.nbytes

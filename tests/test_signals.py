@@ -6,31 +6,18 @@ import pytest
 import torch
 from torch import nn
 
-from gnmr_hf import OutputGradMeter, RecoverableUnit, UnitSignals
+from gnmr_hf import DispatchContext, RecoverableUnit, Signal, UnitSignals
 
 
 class LinearUnit(RecoverableUnit):
     """A bare unit over an nn.Linear, scored on its own parameters or on its output gradient."""
 
     def __init__(self, name, module, use_meter=False):
-        super().__init__(name, module)
-        if use_meter:
-            self.output_grad = OutputGradMeter(module)
-        self._tensors = [] if use_meter else list(module.parameters())
+        self.use_meter = use_meter
+        super().__init__(name, module, DispatchContext(module, "test"))
 
-    in_recovery = False
-
-    def signal_tensors(self):
-        return self._tensors
-
-    def enter_recovery(self):
-        pass
-
-    def exit_recovery(self):
-        pass
-
-    def recovery_bytes(self):
-        return 0
+    def find_signal(self, ctx):
+        return Signal("output_grad", []) if self.use_meter else Signal("weight", list(self.module.parameters()))
 
 
 def make(n=4, dtype=torch.float32, meter_at=None):
@@ -106,6 +93,6 @@ def test_compute_makes_no_host_sync():
 
 def test_a_unit_without_any_signal_is_rejected():
     _, units = make()
-    units[1]._tensors = []
+    units[1]._signal_tensors = []
     with pytest.raises(ValueError, match="'l1' has no signal tensors"):
         UnitSignals(units)

@@ -1,50 +1,33 @@
-"""find_units and register_backend: peft-style dispatch, filters, and clear errors."""
+"""find_units and register_backend: a backend declared once, filters, and clear errors."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import pytest
 from torch import nn
 
-from gnmr_hf import BackendOptions, GNMRConfig, RecoverableUnit, find_units, register_backend
-from gnmr_hf.units import _CUSTOM_BACKENDS, display_name
+from gnmr_hf import Backend, BackendOptions, GNMRConfig, RecoverableUnit, find_units, register_backend
+from gnmr_hf.registry import _REGISTERED
+from gnmr_hf.units import display_name
 
 
 class HalfUnit(RecoverableUnit):
-    """A toy backend: an nn.Linear whose recovery path is the same layer in float64."""
-
-    def __init__(self, name, module):
-        super().__init__(name, module)
-        self.on = False
-
-    @property
-    def in_recovery(self):
-        return self.on
-
-    def signal_tensors(self):
-        return [self.module.weight]
-
-    def enter_recovery(self):
-        self.on = True
-
-    def exit_recovery(self):
-        self.on = False
+    """A toy backend: an nn.Linear whose recovery path is the same layer in float64 (nothing built here)."""
 
     def recovery_bytes(self):
         return self.module.weight.numel() * 8
 
 
-def dispatch_linear(module, fqn, ctx):
-    return HalfUnit(display_name(fqn), module) if isinstance(module, nn.Linear) else None
+def linear_unit(module, ctx):
+    return HalfUnit if isinstance(module, nn.Linear) else None
 
 
 @pytest.fixture
 def toy_backend():
-    register_backend("toy", dispatch_linear)
+    register_backend(Backend("toy", linear_unit))
     yield "toy"
-    _CUSTOM_BACKENDS.pop("toy", None)
+    _REGISTERED.pop("toy", None)
 
 
 def model():
@@ -74,7 +57,8 @@ def test_no_match_lists_the_module_types_seen(toy_backend):
 
 
 def test_unknown_backend_names_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown backend 'nope'; known backends are \['bnb_int8'"):
+    known = r"known backends are \['act_quant', 'block_fp', 'bnb_int8'"
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'; " + known):
         find_units(model(), "nope")
 
 
@@ -84,12 +68,18 @@ def test_invalid_regex_is_reported():
 
 
 @pytest.mark.parametrize(
-    ("name", "dispatcher", "error"),
-    [("", dispatch_linear, ValueError), ("bnb_int8", dispatch_linear, ValueError), ("x", 3, TypeError)],
+    ("backend", "error", "message"),
+    [
+        (Backend("", linear_unit), ValueError, "name must be a non-empty string"),
+        (Backend("bnb_int8", linear_unit), ValueError, "'bnb_int8' is a built-in backend"),
+        (Backend("x", 3), TypeError, "unit_for must be callable"),
+        (Backend("x", linear_unit, options=dict), TypeError, "options must be a BackendOptions"),
+        ("x", TypeError, "backend must be a gnmr_hf.Backend"),
+    ],
 )
-def test_register_backend_rejects_bad_arguments(name, dispatcher, error):
-    with pytest.raises(error):
-        register_backend(name, dispatcher)
+def test_register_backend_rejects_bad_arguments(backend, error, message):
+    with pytest.raises(error, match=message):
+        register_backend(backend)
 
 
 def test_close_leaves_recovery(toy_backend):
@@ -101,18 +91,17 @@ def test_close_leaves_recovery(toy_backend):
 
 
 def test_a_registered_backend_is_a_valid_config_backend(toy_backend):
-    from gnmr_hf import GNMRConfig
-
     assert GNMRConfig(backend=toy_backend).backend == "toy"
-    with pytest.raises(ValueError, match=r"backend must be one of \['bnb_int8', .*'toy'\]"):
-        GNMRConfig(backend="nope")
+    # The config is a leaf: a name is checked when the units are built.
+    assert GNMRConfig(backend="nope").backend == "nope"
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'; known backends are \['act_quant', .*'toy'\]"):
+        find_units(model(), "nope")
 
 
 @dataclass
 class ScaledOptions(BackendOptions):
     """Options of a backend defined outside the package."""
 
-    backend: ClassVar[str] = "scaled"
     scale: float = field(default=2.0, metadata={"help": "A factor (> 0)."})
     mode: str = field(default="fast", metadata={"help": "'fast' or 'exact'."})
     bits: int = 8
@@ -122,24 +111,14 @@ class ScaledOptions(BackendOptions):
         self.check_choice("mode", ("fast", "exact"))
         self.check_int("bits", 2, 16)
         if self.scale <= 0:
-            raise ValueError(f"scaled option 'scale' must be > 0, got {self.scale}")
-
-
-class ScaledUnit(HalfUnit):
-    def __init__(self, name, module, options):
-        super().__init__(name, module)
-        self.options = options
-
-
-def dispatch_scaled(module, fqn, ctx):
-    return ScaledUnit(display_name(fqn), module, ctx.options) if isinstance(module, nn.Linear) else None
+            raise ValueError(f"option 'scale' must be > 0, got {self.scale}")
 
 
 @pytest.fixture
 def scaled_backend():
-    register_backend("scaled", dispatch_scaled, options=ScaledOptions, hint="Use nn.Linear layers.")
+    register_backend(Backend("scaled", linear_unit, options=ScaledOptions, hint="Use nn.Linear layers."))
     yield "scaled"
-    _CUSTOM_BACKENDS.pop("scaled", None)
+    _REGISTERED.pop("scaled", None)
 
 
 def test_an_outside_backend_declares_its_own_options_and_gets_them_typed(scaled_backend):
@@ -162,8 +141,6 @@ def test_an_outside_backend_declares_its_own_options_and_gets_them_typed(scaled_
 def test_an_outside_backend_validates_its_options_by_name(scaled_backend, options, error, message):
     with pytest.raises(error, match=message):
         find_units(model(), scaled_backend, backend_options=options)
-    with pytest.raises(error, match=r"GNMRConfig\.backend_options: .*" + message):
-        GNMRConfig(backend=scaled_backend, backend_options=options)
 
 
 def test_an_outside_backend_takes_its_options_from_the_command_line(scaled_backend):
@@ -177,29 +154,29 @@ def test_an_outside_backend_takes_its_options_from_the_command_line(scaled_backe
 
 
 def test_no_units_error_carries_the_backend_hint(scaled_backend):
-    with pytest.raises(ValueError, match=r"Use nn\.Linear layers\. Known backends: \['bnb_int8', .*'scaled'\]"):
+    with pytest.raises(ValueError, match=r"Use nn\.Linear layers\. Known backends: \['act_quant', .*'scaled'\]"):
         find_units(nn.Sequential(nn.ReLU()), scaled_backend)
 
 
-def test_a_failing_dispatcher_leaves_the_model_as_found():
+def test_a_failing_unit_leaves_the_model_as_found():
     made = []
 
-    def dispatch(module, fqn, ctx):
+    class Recorded(HalfUnit):
+        def __init__(self, name, module, ctx):
+            super().__init__(name, module, ctx)
+            made.append(self)
+            self.enter_recovery()
+
+    def unit_for(module, ctx):
         if isinstance(module, nn.LayerNorm):
             raise ValueError("cannot handle LayerNorm")
-        if isinstance(module, nn.Linear):
-            made.append(HalfUnit(display_name(fqn), module))
-            made[-1].enter_recovery()
-            return made[-1]
-        return None
+        return Recorded if isinstance(module, nn.Linear) else None
 
-    register_backend("fragile", dispatch)
-    try:
-        with pytest.raises(ValueError, match="LayerNorm"):
-            find_units(model(), "fragile")
-    finally:
-        _CUSTOM_BACKENDS.pop("fragile", None)
+    m = model()
+    with pytest.raises(ValueError, match="LayerNorm"):
+        find_units(m, Backend("fragile", unit_for))
     assert len(made) == 2 and all(u.closed and not u.in_recovery for u in made)
+    assert [u.name for u in find_units(m, Backend("toy", linear_unit))] == ["0", "2.0", "3"]
 
 
 def test_the_ledger_counts_what_each_unit_holds_now_and_the_peak():

@@ -1,58 +1,19 @@
-"""`act_quant`: the activations saved for the backward pass kept at `low_bits` on the cheap path, `high_bits` in
-recovery (the paper's first scenario: 4-bit saved activations, 8-bit recovery, during pretraining).
+"""act_quant backend: the activations saved for the backward pass kept at `low_bits` on the cheap path, `high_bits`
+in recovery (the paper's first scenario: 4-bit saved activations, 8-bit recovery, during pretraining).
 
-What is compressed is only what autograd keeps between the forward and the backward pass. The forward output is
-exact at every bit width; the backward pass computes the gradients from the stored, lower-precision copy. That is
-where activation memory goes in training (it grows with batch x sequence x depth), and where the saving is.
-
-Two kinds of unit (option `kinds`):
-
-- **linear**: an `nn.Linear` (the q, k, v, o, gate, up, down projections of a LLaMA block, or any Linear that
-  passes `include` / `exclude` / `module_filter_fn`). Its forward is `QuantSavedLinear`, a custom
-  `torch.autograd.Function`: `F.linear` exactly, then its input quantized (`gnmr_hf.quant.quantize_absmax`) and
-  handed to `ctx.save_for_backward` as packed codes plus float32 scales, so torch's saved-tensor hooks (activation
-  offloading, memory meters) see the real packed bytes. The backward dequantizes it for the weight gradient; the
-  input gradient needs only the weight and is exact. A Linear whose weight is frozen needs no saved input at all
-  and saves none. Signal: its weight gradient (or its LoRA adapters', as `adapters.resolve_signal` decides).
-- **attention**: a transformers attention module (one with `q_proj`, `k_proj`, `v_proj` and a config). Its
-  attention runs through `act_quant_attention`, registered in transformers' `AttentionInterface` as
-  ``attn_implementation="gnmr_act_quant"`` (with sdpa's boolean mask builder in `AttentionMaskInterface`): the model
-  calls it exactly as it calls sdpa or flash attention, no modeling code is patched. It is FlashAttention-style:
-  the forward saves q, k and v (quantized, after RoPE) and the float32 logsumexp of each query row, and the
-  backward recomputes the attention probabilities P = exp(q k^T * scaling - lse) from them. With low-bit q and k
-  the recomputed rows no longer sum to 1 (the stress the issue's probe measured); `renormalize=True` divides them
-  by their sum, as an ablation. The softmax backward uses D = rowsum(P * dP) from the recomputed P, so nothing but
-  q, k, v and lse is saved (FlashAttention's rowsum(dO * O) would also keep the output O). Signal: the gradients of
-  that layer's q, k and v projection weights. `find_units` switches the model to this implementation
-  (`PreTrainedModel.set_attn_implementation`) and `close()` of the last attention unit switches it back. On a CPU
-  the score matrix is materialized (no tiling): the tiling of FlashAttention is a GPU memory optimization, what
-  matters here is what is saved and what is recomputed.
-
-Bits: 2..8 (absmax integers, packed: 4-bit codes two per byte) or 16, which means *unquantized*: the tensor itself
-is saved, in its own dtype, and every gradient is the exact one. Scaling: one absmax scale per tensor
-(`scaling="tensor"`), per row of the last dimension (`"row"`: per token of a Linear input, per token and head of
-q/k/v), or per `group_size` contiguous elements of it (`"group"`). `stochastic=True` rounds stochastically
-(unbiased), drawing from torch's default generator.
-
-A flip changes what the *next* forward saves: the bits are read when the forward quantizes, so a tensor already
-saved keeps its bits until its backward. A decision made from step t's gradients therefore applies from step t+1.
-
-Memory ledger: a unit's recovery path holds, per forward, the extra bytes of its saved tensors at `high_bits` over
-`low_bits` (computed from the shapes with `quantized_nbytes`, so exact). They vary with batch x sequence, so each
-recovery forward re-states them with `ledger.hold`; `recovery_bytes()` is the largest value seen so far.
-
-Fault injection: `unit.fault_scale` (1.0 = none) multiplies every `unit.fault_stride`-th scale of what the cheap
-path saves (with `scaling="row"`, every k-th token's), a blown-up quantization scale, a local numerical fault that
-bends the weight gradient's direction, not only its size; `benchmarks/fault_injection.py` uses it to corrupt one
-unit's cheap path for a few steps.
+The forward is exact at every width; only what autograd keeps for the backward is quantized (packed codes plus
+float32 scales, so saved-tensor hooks see the real bytes). Unit kinds (`kinds`): `linear`, an `nn.Linear`'s saved
+input; `attention`, a transformers attention's saved q, k, v, through `attn_implementation="gnmr_act_quant"`
+(FlashAttention-style: the backward recomputes the probabilities from q, k and the row logsumexp). A flip changes
+what the next forward saves. Kinds, bits, scaling, bounds, the ledger and fault injection: docs/act_quant.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
+import functools
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,13 +21,13 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..quant import QuantizedTensor, quantize_absmax, quantized_nbytes
-from ..units import Backend, BackendOptions, DispatchContext, RecoverableUnit, RecoveryLedger, display_name
-from .adapters import SIGNALS, resolve_signal, signal_option, tuner_layer
-from .switch import SwitchedUnit
+from ..signals import Signal, SignalOptions, signal_option
+from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit, unit_of
 
 __all__ = [
     "ACT_QUANT",
     "ATTN_IMPLEMENTATION",
+    "BACKENDS",
     "ActQuantAttentionUnit",
     "ActQuantLinearUnit",
     "ActQuantOptions",
@@ -75,8 +36,6 @@ __all__ = [
     "SaveCache",
     "SaveSpec",
     "act_quant_attention",
-    "dispatch_act_quant_attention",
-    "dispatch_act_quant_linear",
 ]
 
 KINDS = ("linear", "attention")
@@ -85,16 +44,10 @@ UNQUANTIZED = 16
 BITS = (2, 3, 4, 5, 6, 7, 8, UNQUANTIZED)
 ATTN_IMPLEMENTATION = "gnmr_act_quant"
 
-# The attention function receives the attention module, not the unit: this maps one to the other. Weak, so that a
-# model dropped without closing its units leaves nothing behind.
-_ATTENTION_UNITS: weakref.WeakKeyDictionary[nn.Module, ActQuantAttentionUnit] = weakref.WeakKeyDictionary()
-
 
 @dataclass
-class ActQuantOptions(BackendOptions):
-    """Options of the `act_quant` backend (see the module docstring)."""
-
-    backend: ClassVar[str] = "act_quant"
+class ActQuantOptions(SignalOptions):
+    """Options of the `act_quant` backend (see docs/act_quant.md)."""
 
     low_bits: int = field(
         default=4, metadata={"help": "Bits of the saved activations on the cheap path: 2..8, or 16 (unquantized)."}
@@ -127,21 +80,20 @@ class ActQuantOptions(BackendOptions):
     signal: str = signal_option(note=" Linear units only: attention units use their q/k/v projection weights.")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.check_choice("low_bits", BITS)
         self.check_choice("high_bits", BITS)
         if self.high_bits < self.low_bits:
             raise ValueError(
-                f"act_quant option 'high_bits' must be >= low_bits (the recovery path is the high-fidelity one), "
+                f"option 'high_bits' must be >= low_bits (the recovery path is the high-fidelity one), "
                 f"got high_bits={self.high_bits}, low_bits={self.low_bits}"
             )
         self.check_choice("scaling", SCALINGS)
         self.check_int("group_size", 1)
-        self.check_choice("signal", SIGNALS)
         kinds = [self.kinds] if isinstance(self.kinds, str) else list(self.kinds)
         if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
             raise ValueError(
-                f"act_quant option 'kinds' must be a non-empty list of distinct values from {list(KINDS)}, "
-                f"got {self.kinds!r}"
+                f"option 'kinds' must be a non-empty list of distinct values from {list(KINDS)}, got {self.kinds!r}"
             )
         self.kinds = kinds
 
@@ -234,12 +186,47 @@ class SaveCache:
         per_tensor[key] = entry
 
 
-def _cheap_spec(unit: ActQuantLinearUnit | ActQuantAttentionUnit) -> SaveSpec:
-    """How a unit's cheap path saves: `low_bits`, corrupted by the unit's injected fault if it has one."""
-    spec = unit.options.spec(unit.low_bits)
-    if unit.fault_scale == 1.0:
-        return spec
-    return dataclasses.replace(spec, fault_scale=unit.fault_scale, fault_stride=unit.fault_stride)
+class _SavesActivations(RecoverableUnit):
+    """What both unit kinds share: the bits of the next forward's saved tensors, and the ledger's bytes.
+
+    `fault_scale` (1.0 = none) multiplies every `fault_stride`-th scale the cheap path saves: an injected fault
+    (`benchmarks/fault_injection.py`). The recovery path holds, per forward, the extra bytes of the saved tensors at
+    `high_bits` over `low_bits`; they follow batch x sequence, so each recovery forward re-states them.
+    """
+
+    options: ActQuantOptions
+
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
+        options: ActQuantOptions = ctx.options  # type: ignore[assignment]
+        self.low_bits, self.high_bits = options.low_bits, options.high_bits
+        self.fault_scale, self.fault_stride = 1.0, 1
+        self._max_extra = 0
+        super().__init__(name, module, ctx)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "kind": self.kind, "bits": f"{self.low_bits}/{self.high_bits}"}
+
+    def current_spec(self) -> SaveSpec:
+        """How the next forward saves: `high_bits` in recovery, else `low_bits` with any injected fault."""
+        if self._recovering:
+            return self.options.spec(self.high_bits)
+        spec = self.options.spec(self.low_bits)
+        if self.fault_scale == 1.0:
+            return spec
+        return dataclasses.replace(spec, fault_scale=self.fault_scale, fault_stride=self.fault_stride)
+
+    def measure(self, *tensors: torch.Tensor) -> None:
+        """Record the extra bytes the recovery path saves for these tensors; state them to the ledger in recovery."""
+        extra = self.options.extra_bytes(*tensors)
+        self._max_extra = max(self._max_extra, extra)
+        if self._recovering:
+            self.ledger.hold(self, extra)
+
+    def recovery_bytes(self) -> int:
+        return self._max_extra
+
+    def _enter(self) -> int:
+        return self._max_extra
 
 
 # ------------------------------------------------------------------------------------------------ linear
@@ -286,66 +273,30 @@ class QuantSavedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-class ActQuantLinearUnit(SwitchedUnit):
-    """One `nn.Linear` whose saved input is kept at `low_bits` on the cheap path and `high_bits` in recovery.
+def _save_cache(ctx: DispatchContext) -> SaveCache:
+    return SaveCache()
 
-    Build it with `find_units(model, "act_quant", ...)`. Attributes: `low_bits`, `high_bits`, `options`,
-    `fault_scale` (1.0) and `fault_stride` (1; see the module docstring).
-    """
+
+class ActQuantLinearUnit(_SavesActivations, SwitchedUnit):
+    """One `nn.Linear` whose saved input is kept at `low_bits` on the cheap path and `high_bits` in recovery."""
 
     kind = "linear"
 
-    def __init__(
-        self, name: str, module: nn.Linear, *, options: ActQuantOptions, cache: SaveCache, **kwargs: Any
-    ) -> None:
-        self.options = options
-        self._cache = cache
-        self.low_bits, self.high_bits = options.low_bits, options.high_bits
-        self.fault_scale, self.fault_stride = 1.0, 1
-        self._max_extra = 0
-        super().__init__(name, module, backend="act_quant", **kwargs)
-
-    def describe(self) -> dict[str, Any]:
-        return {"signal": self.signal, "kind": self.kind, "bits": f"{self.low_bits}/{self.high_bits}"}
-
-    def recovery_bytes(self) -> int:
-        return self._max_extra
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
+        self._cache = ctx.once(_save_cache)
+        super().__init__(name, module, ctx)
 
     def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, _cheap_spec(self))
+        return self._linear(x)
 
     def recovery_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.options.spec(self.high_bits))
+        return self._linear(x)
 
-    def _linear(self, x: torch.Tensor, spec: SaveSpec) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         if torch.is_grad_enabled() and m.weight.requires_grad:
-            extra = self.options.extra_bytes(x)
-            self._max_extra = max(self._max_extra, extra)
-            if self._recovering:
-                self.ledger.hold(self, extra)
-        return QuantSavedLinear.apply(x, m.weight, m.bias, spec, self._cache)
-
-    def _enter(self) -> int:
-        return self._max_extra
-
-
-def dispatch_act_quant_linear(module: nn.Module, fqn: str, ctx: DispatchContext) -> ActQuantLinearUnit | None:
-    """An `ActQuantLinearUnit` for an `nn.Linear` when `kinds` includes "linear", else None."""
-    options: ActQuantOptions = ctx.options  # type: ignore[assignment]
-    if "linear" not in options.kinds or not isinstance(module, nn.Linear):
-        return None
-    name = display_name(fqn)
-    tuner = tuner_layer(ctx, module)
-    return ActQuantLinearUnit(
-        name,
-        module,
-        options=options,
-        cache=ctx.shared.setdefault("act_quant_save_cache", SaveCache()),
-        ledger=ctx.ledger,
-        signal=resolve_signal(options.signal, name, module, tuner, "act_quant"),
-        tuner=tuner,
-    )
+            self.measure(x)
+        return QuantSavedLinear.apply(x, m.weight, m.bias, self.current_spec(), self._cache)
 
 
 # --------------------------------------------------------------------------------------------- attention
@@ -476,9 +427,9 @@ def act_quant_attention(
             f"act_quant attention: attention dropout must be 0 (the backward recomputes the probabilities and "
             f"would need the dropout mask), got dropout={dropout}; set the model config's attention_dropout to 0"
         )
-    unit = _ATTENTION_UNITS.get(module)
+    unit = unit_of(module)
     spec, renormalize = SaveSpec(UNQUANTIZED), False
-    if unit is not None:
+    if isinstance(unit, ActQuantAttentionUnit):
         spec, renormalize = unit.current_spec(), unit.options.renormalize
         if torch.is_grad_enabled():
             unit.measure(query, key, value)
@@ -489,16 +440,15 @@ def act_quant_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
 def _register_attention() -> None:
+    """Register `act_quant_attention` in transformers' interfaces, once, when the first attention unit is made."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, act_quant_attention)
     # sdpa's builder: a boolean mask (True = attend), or None where the mask is purely causal.
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
-
-
-_register_attention()
 
 
 class _AttentionSwitch:
@@ -527,96 +477,51 @@ class _AttentionSwitch:
             self.model.set_attn_implementation(self.previous)
 
 
-class ActQuantAttentionUnit(RecoverableUnit):
-    """One transformers attention module whose saved q, k, v are kept at `low_bits` / `high_bits`.
-
-    No forward wrapper: the model calls `act_quant_attention` with this module, which reads the unit's bits.
-    """
+class ActQuantAttentionUnit(_SavesActivations):
+    """One transformers attention module whose saved q, k, v are kept at `low_bits` / `high_bits`. No forward
+    wrapper: the model calls `act_quant_attention` with this module, which reads the unit's bits. Signal: the
+    gradients of its q, k and v projection weights."""
 
     kind = "attention"
 
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        *,
-        options: ActQuantOptions,
-        ledger: RecoveryLedger,
-        switch: _AttentionSwitch,
-    ) -> None:
-        if module in _ATTENTION_UNITS:
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
+        if getattr(module.config, "attention_dropout", 0.0):
             raise ValueError(
-                f"act_quant unit {name!r}: the module already belongs to another unit; close() the old units first"
+                f"act_quant attention unit {name!r}: config.attention_dropout={module.config.attention_dropout}, "
+                "but the recomputing backward supports only 0"
             )
-        super().__init__(name, module)
-        self.options = options
-        self.low_bits, self.high_bits = options.low_bits, options.high_bits
-        self.ledger = ledger
-        self.fault_scale, self.fault_stride = 1.0, 1
-        self._tensors = [getattr(module, p).weight for p in ("q_proj", "k_proj", "v_proj")]
-        trainable = [t for t in self._tensors if t.requires_grad]
+        _register_attention()
+        self._switch = _attention_switch(ctx, module)
+        self._switch.acquire()
+        try:
+            super().__init__(name, module, ctx)
+        except BaseException:
+            self._switch.release()
+            raise
+
+    def find_signal(self, ctx: DispatchContext) -> Signal:
+        weights = [getattr(self.module, p).weight for p in ("q_proj", "k_proj", "v_proj")]
+        trainable = [w for w in weights if w.requires_grad]
         if not trainable:
             raise ValueError(
-                f"act_quant attention unit {name!r}: none of its q/k/v projection weights requires grad, so it has "
-                "no signal; exclude it or drop 'attention' from kinds"
+                f"act_quant attention unit {self.name!r}: none of its q/k/v projection weights requires grad, so it "
+                "has no signal; exclude it or drop 'attention' from kinds"
             )
-        self._tensors = trainable
-        self._recovering = False
-        self._max_extra = 0
-        self._switch = switch
-        switch.acquire()
-        _ATTENTION_UNITS[module] = self
+        return Signal("qkv_weight", trainable)
 
-    @property
-    def in_recovery(self) -> bool:
-        return self._recovering
-
-    def signal_tensors(self) -> list[torch.Tensor]:
-        return list(self._tensors)
-
-    def describe(self) -> dict[str, Any]:
-        return {"signal": "qkv_weight", "kind": self.kind, "bits": f"{self.low_bits}/{self.high_bits}"}
-
-    def current_spec(self) -> SaveSpec:
-        """How the next forward saves q, k, v."""
-        return self.options.spec(self.high_bits) if self._recovering else _cheap_spec(self)
-
-    def measure(self, *tensors: torch.Tensor) -> None:
-        """Record the extra bytes the recovery path saves for these q, k, v; state them to the ledger in recovery."""
-        extra = self.options.extra_bytes(*tensors)
-        self._max_extra = max(self._max_extra, extra)
-        if self._recovering:
-            self.ledger.hold(self, extra)
-
-    def recovery_bytes(self) -> int:
-        return self._max_extra
-
-    def enter_recovery(self) -> None:
-        if self.closed:
-            raise RuntimeError(f"act_quant unit {self.name!r} is closed; find the units again to use it")
-        if not self._recovering:
-            self._recovering = True
-            self.ledger.hold(self, self._max_extra)
-
-    def exit_recovery(self) -> None:
-        if self._recovering:
-            self._recovering = False
-            self.ledger.release(self)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        super().close()
-        if _ATTENTION_UNITS.get(self.module) is self:
-            del _ATTENTION_UNITS[self.module]
+    def _close(self) -> None:
         self._switch.release()
+
+
+def _attention_switches(ctx: DispatchContext) -> dict[int, _AttentionSwitch]:
+    return {}
 
 
 def _attention_switch(ctx: DispatchContext, module: nn.Module) -> _AttentionSwitch:
     """The switch of the transformers model that owns `module`'s config, made once per `find_units` call."""
     from transformers import PreTrainedModel
 
-    switches: dict[int, _AttentionSwitch] = ctx.shared.setdefault("act_quant_attention_switches", {})
+    switches = ctx.once(_attention_switches)
     config = module.config
     if id(config) not in switches:
         # The outermost PreTrainedModel with this config: its set_attn_implementation updates every submodel.
@@ -640,27 +545,23 @@ def _is_attention(module: nn.Module) -> bool:
     )
 
 
-def dispatch_act_quant_attention(module: nn.Module, fqn: str, ctx: DispatchContext) -> ActQuantAttentionUnit | None:
-    """An `ActQuantAttentionUnit` for a transformers attention module when `kinds` includes "attention", else None."""
-    options: ActQuantOptions = ctx.options  # type: ignore[assignment]
-    if "attention" not in options.kinds or not _is_attention(module):
-        return None
-    if getattr(module.config, "attention_dropout", 0.0):
-        raise ValueError(
-            f"act_quant attention unit {display_name(fqn)!r}: config.attention_dropout="
-            f"{module.config.attention_dropout}, but the recomputing backward supports only 0"
-        )
-    return ActQuantAttentionUnit(
-        display_name(fqn), module, options=options, ledger=ctx.ledger, switch=_attention_switch(ctx, module)
-    )
+def _act_quant_unit(module: nn.Module, ctx: DispatchContext) -> type[RecoverableUnit] | None:
+    kinds = ctx.options.kinds  # type: ignore[attr-defined]
+    if "attention" in kinds and _is_attention(module):
+        return ActQuantAttentionUnit
+    if "linear" in kinds and isinstance(module, nn.Linear):
+        return ActQuantLinearUnit
+    return None
 
 
 ACT_QUANT = Backend(
     name="act_quant",
-    dispatchers=(dispatch_act_quant_attention, dispatch_act_quant_linear),
+    unit_for=_act_quant_unit,
     options=ActQuantOptions,
     hint=(
         "The act_quant backend manages nn.Linear layers (kinds=linear) and transformers attention modules with "
         "q_proj/k_proj/v_proj (kinds=attention)."
     ),
 )
+
+BACKENDS = (ACT_QUANT,)

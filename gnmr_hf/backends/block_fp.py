@@ -1,86 +1,32 @@
-"""`block_fp`: every GEMM of a Linear, forward and backward, on block-scaled low-bit floats, DeepSeek-V3 style: a
-cheap low-bit format (default FP6 e3m2) on the cheap path, FP8 e4m3 (or e5m2, or BF16) in recovery. The paper's
-second scenario, emulated on the CPU with exact rounding.
+"""block_fp backend: every GEMM input of an `nn.Linear`, forward and backward, in a block-scaled low-bit float.
 
-A Linear `y = x W^T + b` runs three GEMMs per training step, and this backend rounds the two inputs of each one:
-
-| GEMM  | computes    | contracts over   | first input, scaled per     | second input, scaled per     |
-|-------|-------------|------------------|-----------------------------|------------------------------|
-| fprop | y = x W^T   | in_features (K)  | x: 1 token x 128 channels   | W: 128 x 128 block           |
-| dgrad | dx = dy W   | out_features (N) | dy: 1 token x 128 channels  | W: the same 128 x 128 blocks |
-| wgrad | dW = dy^T x | tokens (M)       | dy: 128 tokens x 1 channel  | x: 128 tokens x 1 channel    |
-
-That is DeepSeek-V3's fine-grained quantization (technical report, section 3.3.2): activations and output
-gradients in 1x128 tiles, weights in 128x128 blocks, one FP32 scale `amax / max_finite` each, computed online
-from the tensor itself (no history). A tile always runs along the GEMM's *contraction* dimension, so that its
-scale factors out of each 128-element partial sum, which the hardware then promotes to FP32 with that scale.
-Hence the wgrad's tiles run along the tokens: DeepSeek "converts the activation from a 1x128 tile to a 128x1
-tile in the backward pass", and DeepGEMM's and torchao's wgrad kernels (`fp8_blockwise_mm` in
-`torchao.prototype.blockwise_fp8_training`) scale both inputs per 128 tokens. A 128x128 block is symmetric under
-transposition, so the one quantized weight serves the fprop and the dgrad. The obvious alternative, one tiling
-per tensor whatever the GEMM (say, x per token everywhere), would put a scale inside each wgrad partial sum:
-no real kernel can run it, so it would emulate nothing.
-
-`scaling="mx"` is the OCP Microscaling alternative, which Blackwell GPUs run natively: 32-element blocks along
-the contraction dimension for every input (weights too: 1x32 for the fprop, 32x1 for the dgrad, so the weight
-is quantized twice) with power-of-two (E8M0) scales.
-
-The rounding is `gnmr_hf.quant.quantize_blocks` (torch's float8 casts for e4m3/e5m2, exact bit-level rounding
-for FP4/FP6, saturating, NaN/inf kept visible: a non-finite value poisons its own block only); the scaled
-values are multiplied in float32 with autocast off, which is what the FP32 promotion of DeepSeek's partial sums
-computes (it does not model the ~14-bit accumulators of H800 tensor cores that the promotion works around).
-`high_format="bf16"` rounds the inputs to bfloat16, without scales, as a plain BF16 GEMM does. The bias, not a
-GEMM, is added in float32, and its gradient is the exact column sum of dy. The output has the input's dtype
-(autocast's under autocast, as `nn.Linear` does), dx the input's and dW the weight's.
-
-Carve-outs (DeepSeek-V3 keeps the embedding, the output head, the MoE gating, the normalizations and the
-attention operators in their original precision): only `nn.Linear` modules can be units, so embeddings, norms,
-the attention softmax and its two matmuls, and transformers' MoE routers and fused experts (3-D Parameters, not
-`nn.Linear`) are never touched. The output head *is* an `nn.Linear`; it is left out unless
-`quantize_lm_head=True` (it is the model's `get_output_embeddings()`, or a module named `lm_head`). Anything
-else is chosen with `find_units`' `include` / `exclude` / `module_filter_fn`.
-
-A flip costs nothing: both paths are the same Function over the same master weight, differing only in the
-format they round to, so entering recovery allocates nothing (0 bytes in the ledger), adds no Parameter and
-never touches the optimizer. The format is read when the forward runs and travels with the autograd graph, so
-a step already in flight finishes in the format it started with: a decision made from step t's gradients
-applies from step t + 1.
-
-Evaluation: in eval mode (`model.eval()`, as `Trainer.evaluate` sets it) a unit runs the plain `F.linear`,
-unless `quantize_eval=True`. The validation loss then measures the trained weights, the same way in every arm
-of a comparison, and not whichever formats GNMR's recovery set happened to hold at that moment; set it to
-quantize inference too (as serving in FP8 would).
-
-Cost: per unit and step the emulation rounds four activation-sized tensors (x and dy, each in its two tilings)
-and the weight twice (fprop and dgrad), each in a few elementwise passes; on the probe-scale model that doubles
-the CPU time of a training step (docs/block_fp.md measures it per format). That is the emulation's cost, not the
-method's: on FP8 hardware the rounding is fused into the GEMMs' operand loads and the low format is the cheap one.
-Real FP8 kernels are not wired in: torchao 0.18's `fp8_blockwise_mm` runs this very recipe in e4m3 on SM90
-GPUs (bf16 inputs, dimensions multiple of 128, no bias), but no such GPU was available to test it.
+The cheap path rounds the input and weight (forward) and the output gradient (backward) to `low_format` (FP6 e3m2
+by default, FP4 e2m1) with DeepSeek-V3 scaling (1x128 activation tiles, 128x128 weight blocks, FP32 scales) or
+OCP MX; recovery does the same in `high_format` (FP8 e4m3, or BF16). Emulated with `gnmr_hf.quant`; the weight
+itself is never written, so recovery holds nothing. Formats, scaling and error bounds: docs/block_fp.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..quant import FORMATS, quantize_blocks
-from ..units import Backend, BackendOptions, DispatchContext, display_name
-from .adapters import SIGNALS, resolve_signal, signal_option, tuner_layer
-from .switch import SwitchedUnit
+from ..signals import SignalOptions
+from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
 
 __all__ = [
+    "BACKENDS",
     "BLOCK_FP",
     "BlockFPLinear",
     "BlockFPOptions",
     "BlockFPUnit",
     "GemmFormat",
     "block_fp_linear",
-    "dispatch_block_fp",
 ]
 
 HIGH_FORMATS = ("e4m3", "e5m2", "bf16")
@@ -164,10 +110,8 @@ def block_fp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 @dataclass
-class BlockFPOptions(BackendOptions):
-    """Options of the `block_fp` backend (see the module docstring)."""
-
-    backend: ClassVar[str] = "block_fp"
+class BlockFPOptions(SignalOptions):
+    """Options of the `block_fp` backend (see docs/block_fp.md)."""
 
     low_format: str = field(
         default="e3m2",
@@ -195,41 +139,35 @@ class BlockFPOptions(BackendOptions):
         default=False,
         metadata={"help": "In eval mode, quantize as in training (default: eval runs the plain F.linear)."},
     )
-    signal: str = signal_option()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.check_choice("low_format", sorted(FORMATS))
         self.check_choice("high_format", HIGH_FORMATS)
         if self.high_format == self.low_format:
             raise ValueError(
-                f"block_fp option 'high_format' must differ from low_format (the recovery path would be the cheap "
+                f"option 'high_format' must differ from low_format (the recovery path would be the cheap "
                 f"path), got both {self.low_format!r}"
             )
         self.check_choice("scaling", SCALINGS)
-        for name in ("quantize_lm_head", "quantize_eval"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"block_fp option {name!r} must be True or False, got {getattr(self, name)!r}")
-        self.check_choice("signal", SIGNALS)
+        self.check_bool("quantize_lm_head")
+        self.check_bool("quantize_eval")
 
 
 class BlockFPUnit(SwitchedUnit):
     """One `nn.Linear` whose GEMMs run on `low_format` (cheap) or `high_format` (recovery). Build it with
     `find_units(model, "block_fp")`, not directly."""
 
-    def __init__(self, name: str, module: nn.Linear, *, options: BlockFPOptions, **kwargs: Any) -> None:
-        self.options = options
+    options: BlockFPOptions
+
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
+        options: BlockFPOptions = ctx.options  # type: ignore[assignment]
         self.low = GemmFormat(options.low_format, options.scaling)
         self.high = GemmFormat(options.high_format, options.scaling)
-        super().__init__(name, module, backend="block_fp", **kwargs)
+        super().__init__(name, module, ctx)
 
     def describe(self) -> dict[str, Any]:
-        return {"signal": self.signal, "formats": f"{self.low.fmt}/{self.high.fmt}", "scaling": self.low.scaling}
-
-    def recovery_bytes(self) -> int:
-        return 0
-
-    def _enter(self) -> int:
-        return 0
+        return {**super().describe(), "formats": f"{self.low.fmt}/{self.high.fmt}", "scaling": self.low.scaling}
 
     def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.low)
@@ -246,41 +184,29 @@ class BlockFPUnit(SwitchedUnit):
 
 def _output_head(ctx: DispatchContext) -> nn.Module | None:
     """The model's output projection: `get_output_embeddings()` of a transformers model, else a module named
-    lm_head. Looked up once per `find_units` call."""
-    if "block_fp_output_head" not in ctx.shared:
-        get = getattr(ctx.model, "get_output_embeddings", None)
-        head = get() if callable(get) else None
-        if head is None:
-            head = dict(ctx.model.named_modules()).get("lm_head")
-        ctx.shared["block_fp_output_head"] = head
-    return ctx.shared["block_fp_output_head"]
+    lm_head."""
+    get = getattr(ctx.model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if head is not None else dict(ctx.model.named_modules()).get("lm_head")
 
 
-def dispatch_block_fp(module: nn.Module, fqn: str, ctx: DispatchContext) -> BlockFPUnit | None:
-    """A `BlockFPUnit` for an `nn.Linear` (the output head only with `quantize_lm_head=True`), else None."""
-    options: BlockFPOptions = ctx.options  # type: ignore[assignment]
+def _block_fp_unit(module: nn.Module, ctx: DispatchContext) -> type[RecoverableUnit] | None:
+    """Every `nn.Linear`, the output head only with `quantize_lm_head=True`."""
     if not isinstance(module, nn.Linear):
         return None
-    if not options.quantize_lm_head and (module is _output_head(ctx) or display_name(fqn) == "lm_head"):
+    if not ctx.options.quantize_lm_head and module is ctx.once(_output_head):  # type: ignore[attr-defined]
         return None
-    name = display_name(fqn)
-    tuner = tuner_layer(ctx, module)
-    return BlockFPUnit(
-        name,
-        module,
-        options=options,
-        ledger=ctx.ledger,
-        signal=resolve_signal(options.signal, name, module, tuner, "block_fp"),
-        tuner=tuner,
-    )
+    return BlockFPUnit
 
 
 BLOCK_FP = Backend(
     name="block_fp",
-    dispatchers=(dispatch_block_fp,),
+    unit_for=_block_fp_unit,
     options=BlockFPOptions,
     hint=(
         "The block_fp backend manages nn.Linear layers (the output head only with quantize_lm_head=True); check "
         "include/exclude, or choose the backend that matches the model's layers (GNMRConfig.backend)."
     ),
 )
+
+BACKENDS = (BLOCK_FP,)

@@ -1,107 +1,30 @@
 """bitsandbytes backends: a quantized linear on the cheap path, a BF16 matmul in recovery.
 
-- `bnb_int8`: a `bnb.nn.Linear8bitLt` with INT8 weights (LLM.int8()).
-- `bnb_4bit`: a `bnb.nn.Linear4bit` (QLoRA: NF4 or FP4, with or without double quantization of the block scales).
-
-A unit is the bitsandbytes module, bare or as the base layer of a peft LoRA layer (peft's wrappers carry the same
-class names but are not bitsandbytes subclasses; the unit is always the bnb module, named by `display_name`, e.g.
-``model.layers.0.self_attn.q_proj``). As in peft's `tuners/lora/bnb.py`, the variants sit side by side in this
-file: everything is shared (`BnbUnit`, `_recovery_source`, `_make_unit`, the options) except two things each
-variant says for itself, how to dequantize its weight and how to check that a checkpoint row quantizes to its own.
-
-The switch (`SwitchedUnit`): the cheap path is the module's own forward, bit for bit. In recovery the forward
-is `F.linear(x.to(bf16), W_bf16, bias.to(bf16)).to(x.dtype)` with autocast off, so it is a BF16 matmul whatever
-autocast says. The quantized weight, its scales (INT8: SCB and `module.state`; 4-bit: the packed codes and the
-whole `quant_state`) and the bias are never written (bnb's own forward casts `bias.data` in place; the recovery
-path casts a copy).
-
-The BF16 weight exists only while its unit is in recovery, which is the memory the quantized model exists to
-save: `enter_recovery()` builds it, `exit_recovery()` drops the only reference, and a unit in recovery holds
-`(out_features x in_features + bias) x 2` bytes. It comes from one of two sources:
-
-- ``checkpoint``: the original tensor, from the model's local safetensors (`CheckpointSource`). Cast to BF16
-  it equals a BF16 model's weight exactly, so a unit in recovery matches a BF16 `nn.Linear` on the same input
-  exactly (the tests assert `torch.equal`), for INT8 and 4-bit alike.
-- ``dequantize``: the library's own dequantizer.
-  - INT8: `W = CB * SCB[:, None] / 127` by `bitsandbytes.functional.int8_vectorwise_dequant`. Each weight is
-    off by at most half a quantization step, `absmax_row / 254`, plus BF16 rounding.
-  - 4-bit: `W = code[q] * absmax_block` by `bitsandbytes.functional.dequantize_4bit` (bitsandbytes rounds each
-    scaled weight to the nearest of the 16 code values). Each weight is off by at most half the widest gap
-    between adjacent code values times its block's absmax (NF4: 0.152 x absmax, FP4: 0.167 x absmax), plus,
-    with double quantization, the error of the block's 8-bit absmax: at most half the widest gap of the 8-bit
-    dynamic code (0.0070) times the largest `|absmax - mean absmax|` of the 256 blocks quantized together
-    (0.7% of the absmax at worst in the tests' models), plus BF16 rounding. That is the 4-bit quantization
-    error itself: recovery from ``dequantize`` is a BF16 matmul of the 4-bit weight, not of the original one;
-    ``checkpoint`` gives the original.
-  An output element is off by at most the weight error times `sum_k |x_k|` per row plus the BF16 rounding of
-  the output (the tests check these bounds).
-- ``auto`` (the default): checkpoint when the model's checkpoint holds, under ``display_name + ".weight"``, a
-  floating-point tensor of the right shape whose first row quantizes to the module's own first row by the
-  library's quantizer; else dequantize. A checkpoint that is itself quantized, or one the model was not
-  quantized from, is not used. Which source a unit uses is `unit.source`, logged once per source.
-
-The row checks read one row, never the whole tensor:
-- INT8: `int8_vectorwise_quant` of the row (from fp16, as `Int8Params` quantizes) against the module's INT8 row
-  0 and its scale: at most two INT8 steps and 1% on the scale, which absorbs a load dtype other than the
-  checkpoint's (fp32 -> bf16 -> fp16 rounds twice).
-- 4-bit: `quantize_4bit` of the row's whole blocks (its first `in_features // blocksize x blocksize` weights,
-  cast to the dtype the module was quantized from, `quant_state.dtype`, on the module's device, so by the very
-  kernel that quantized the model) against the module's packed codes and block absmax for those blocks. Blocks
-  are quantized independently, so the codes are bit-identical; the check allows one code in 64 to differ (a
-  rounding tie settled differently by another kernel), and on the absmax a relative 1e-5 plus, under double
-  quantization, twice the rounding bound of its 8-bit form (above). Weights the module was not quantized from
-  differ in most codes. A layer narrower than one block (`in_features < blocksize`, 64 by default) has no whole
-  block in its first row and cannot be checked this way: it uses ``dequantize`` under ``auto``, and
-  ``checkpoint`` refuses it.
-
-Options (`find_units(model, "bnb_int8" or "bnb_4bit", source=..., signal=...)`, or `GNMRConfig(backend_options=...)`):
-`source` as above; `signal`, the gradient a unit is scored on: ``lora``, ``weight``, ``output_grad`` or ``auto``
-(see `adapters.resolve_signal`).
-
-Limits: `Linear8bitLt(has_fp16_weights=True)` (INT8 matmuls over trainable fp16 weights) and a `Linear4bit` that
-has not been quantized yet (not moved to its device) are refused with an error. So is a `Linear4bit` whose weight
-bitsandbytes has repacked for its AVX512-BF16 CPU inference kernel (it does so, in place, on the first eval-mode
-forward without gradients on such CPUs): `dequantize_4bit` does not read that layout, so put the model in
-`train()` mode before any forward, or use a checkpoint source; a unit that finds its weight repacked later
-refuses to dequantize with the same explanation. Merging adapters into the quantized weight (peft
-`merge_adapter`) changes it under the unit: entering recovery from the checkpoint while merged is refused, and a
-unit must not be in recovery across a merge or unmerge. The wrapper is a closure over the unit, so deep-copy or
-pickle a model before `find_units` or after `close()`.
+`bnb_int8` manages `bnb.nn.Linear8bitLt` (LLM.int8()), `bnb_4bit` manages `bnb.nn.Linear4bit` (QLoRA NF4/FP4),
+bare or as the base layer of a peft LoRA layer. The cheap path is the module's own forward; recovery is a BF16
+`F.linear` (autocast off) on a weight that exists only while the unit is in recovery, read from the original
+checkpoint (exact) or rebuilt by bitsandbytes' own dequantizer. The quantized weight is never written. Sources,
+error bounds, the one-row checkpoint check and the limits: docs/backends.md.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import logging
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..units import Backend, BackendOptions, DispatchContext, display_name
-from .adapters import SIGNALS, resolve_signal, signal_option, tuner_layer
-from .checkpoint import CheckpointSource
-from .switch import SwitchedUnit
+from ..signals import SignalOptions
+from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
+from ._checkpoint import CheckpointSource
 
-__all__ = [
-    "BNB_4BIT",
-    "BNB_INT8",
-    "Bnb4bitOptions",
-    "Bnb4bitUnit",
-    "BnbInt8Options",
-    "BnbInt8Unit",
-    "BnbOptions",
-    "BnbUnit",
-    "dispatch_bnb_4bit",
-    "dispatch_bnb_int8",
-    "is_bnb_available",
-]
+__all__ = ["BACKENDS", "BNB_4BIT", "BNB_INT8", "Bnb4bitUnit", "BnbInt8Unit", "BnbOptions", "BnbUnit"]
 
 logger = logging.getLogger("gnmr_hf")
 
@@ -110,21 +33,10 @@ _RECOVERY_DTYPE = torch.bfloat16
 # 4-bit row check slack: one code in this many may differ (a rounding tie settled by another kernel).
 _CODE_MISMATCH_DIVISOR = 64
 
-RowCheck = Callable[[torch.Tensor], bool]
-UnitT = TypeVar("UnitT", bound="BnbUnit")
-
-
-@functools.lru_cache
-def is_bnb_available() -> bool:
-    return importlib.util.find_spec("bitsandbytes") is not None
-
-
-# ---------------------------------------------------------------------------------------------------- options
-
 
 @dataclass
-class BnbOptions(BackendOptions):
-    """Options shared by the bitsandbytes backends (`BnbInt8Options`, `Bnb4bitOptions` only name the backend)."""
+class BnbOptions(SignalOptions):
+    """Options of the bitsandbytes backends."""
 
     source: str = field(
         default="auto",
@@ -133,25 +45,10 @@ class BnbOptions(BackendOptions):
             "'dequantize' (the quantized weight and its scales), or 'auto' (checkpoint when it matches)."
         },
     )
-    signal: str = signal_option()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.check_choice("source", SOURCES)
-        self.check_choice("signal", SIGNALS)
-
-
-@dataclass
-class BnbInt8Options(BnbOptions):
-    """Options of the `bnb_int8` backend."""
-
-    backend: ClassVar[str] = "bnb_int8"
-
-
-@dataclass
-class Bnb4bitOptions(BnbOptions):
-    """Options of the `bnb_4bit` backend."""
-
-    backend: ClassVar[str] = "bnb_4bit"
 
 
 # ------------------------------------------------------------------------------------------------------ units
@@ -160,27 +57,30 @@ class Bnb4bitOptions(BnbOptions):
 class BnbUnit(SwitchedUnit):
     """One bitsandbytes quantized linear: its own forward on the cheap path, a BF16 matmul in recovery.
 
-    Build it with `find_units(model, "bnb_int8" | "bnb_4bit", ...)`, not directly. Attributes: `source`
-    ("checkpoint" or "dequantize"), `signal` (the resolved signal kind), `ledger` (shared `RecoveryLedger`),
-    `tuner` (the peft layer around the module, or None). A subclass names its backend and says how to dequantize.
+    `source` is "checkpoint" or "dequantize". A variant says how to check its module, how to match a checkpoint
+    row against it, and how to dequantize.
     """
 
-    backend_name: ClassVar[str]
     weight_kind: ClassVar[str]  # for messages: "INT8", "4-bit"
 
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        *,
-        source: str,
-        checkpoint: CheckpointSource | None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(name, module, backend=self.backend_name, **kwargs)
-        self.source = source
-        self._checkpoint = checkpoint
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
+        problem = self._unsupported(module)
+        if problem:
+            raise ValueError(f"{ctx.backend} unit {name!r}: {problem}. Exclude it with exclude=[...]")
+        self._checkpoint = _recovery_source(ctx, self.weight_kind, name, module, self._row_matches)
+        self.source = "checkpoint" if self._checkpoint is not None else "dequantize"
         self._weight: torch.Tensor | None = None
+        super().__init__(name, module, ctx)
+
+    @staticmethod
+    @abstractmethod
+    def _unsupported(module: nn.Module) -> str | None:
+        """Why this module cannot be a unit (not quantized yet...), or None."""
+
+    @staticmethod
+    @abstractmethod
+    def _row_matches(row: torch.Tensor, module: nn.Module) -> bool:
+        """Whether a checkpoint row quantizes to the module's first quantized row."""
 
     @property
     def checkpoint_dir(self) -> Path | None:
@@ -193,7 +93,7 @@ class BnbUnit(SwitchedUnit):
         return self._weight
 
     def describe(self) -> dict[str, Any]:
-        return {"signal": self.signal, "source": self.source}
+        return {**super().describe(), "source": self.source}
 
     def recovery_bytes(self) -> int:
         # The bias is cast per forward rather than held, but it is the same bytes and keeps the count an upper bound.
@@ -240,8 +140,20 @@ class BnbUnit(SwitchedUnit):
 class BnbInt8Unit(BnbUnit):
     """One bitsandbytes `Linear8bitLt`: INT8 matmul on the cheap path, BF16 matmul in recovery."""
 
-    backend_name = "bnb_int8"
     weight_kind = "INT8"
+
+    @staticmethod
+    def _unsupported(module: nn.Module) -> str | None:
+        if module.state.has_fp16_weights or module.weight.dtype != torch.int8:
+            return (
+                f"only INT8 weights are supported (has_fp16_weights={module.state.has_fp16_weights}, weight dtype "
+                f"{module.weight.dtype}); a module that has not been moved to its device yet is not quantized"
+            )
+        return None
+
+    @staticmethod
+    def _row_matches(row: torch.Tensor, module: nn.Module) -> bool:
+        return _int8_row_matches(row, module)
 
     def _dequantize(self) -> torch.Tensor:
         import bitsandbytes.functional as bnb_functional
@@ -255,8 +167,21 @@ class BnbInt8Unit(BnbUnit):
 class Bnb4bitUnit(BnbUnit):
     """One bitsandbytes `Linear4bit` (NF4 or FP4): 4-bit matmul on the cheap path, BF16 matmul in recovery."""
 
-    backend_name = "bnb_4bit"
     weight_kind = "4-bit"
+
+    @staticmethod
+    def _unsupported(module: nn.Module) -> str | None:
+        weight = module.weight
+        if not getattr(weight, "bnb_quantized", False) or getattr(weight, "quant_state", None) is None:
+            return (
+                "the weight is not quantized yet (bitsandbytes quantizes a Linear4bit when it is moved to its "
+                "device); load the model with a 4-bit BitsAndBytesConfig"
+            )
+        return _4bit_layout_problem(module)
+
+    @staticmethod
+    def _row_matches(row: torch.Tensor, module: nn.Module) -> bool:
+        return _4bit_row_matches(row, module)
 
     def describe(self) -> dict[str, Any]:
         state = self.module.weight.quant_state
@@ -350,89 +275,52 @@ def _4bit_row_matches(row: torch.Tensor, module: nn.Module) -> bool:
 # --------------------------------------------------------------------------------------------------- dispatch
 
 
+def _logged_sources(ctx: DispatchContext) -> set[str]:
+    return set()
+
+
+def _checkpoint(ctx: DispatchContext) -> tuple[CheckpointSource | None, str]:
+    return CheckpointSource.locate(ctx.model)
+
+
 def _recovery_source(
-    ctx: DispatchContext, backend: str, weight_kind: str, name: str, module: nn.Module, matches: RowCheck
+    ctx: DispatchContext, weight_kind: str, name: str, module: nn.Module, matches: Callable[..., bool]
 ) -> CheckpointSource | None:
     """The checkpoint to read `module`'s BF16 weight from, or None for dequantize (the `source` option resolved as
-    documented in the module docstring, `matches` being the backend's row check). Logs each source chosen once
-    per `find_units` call."""
+    docs/backends.md says). Logs each source chosen once per `find_units` call."""
     source = ctx.options.source  # type: ignore[attr-defined]
     checkpoint: CheckpointSource | None = None
     if source != "dequantize":
-        checkpoint, problem = CheckpointSource.for_context(ctx)
+        checkpoint, problem = ctx.once(_checkpoint)
         if checkpoint is not None:
-            problem = checkpoint.problem(name + ".weight", (module.out_features, module.in_features), matches)
+            shape = (module.out_features, module.in_features)
+            problem = checkpoint.problem(name + ".weight", shape, lambda row: matches(row, module))
         if problem:
             if source == "checkpoint":
                 raise ValueError(
-                    f"{backend} unit {name!r}: source='checkpoint' but {problem}. Use source='dequantize' (or "
+                    f"{ctx.backend} unit {name!r}: source='checkpoint' but {problem}. Use source='dequantize' (or "
                     f"'auto') to rebuild the BF16 weight from the {weight_kind} weight instead"
                 )
             checkpoint = None
     chosen = "checkpoint" if checkpoint is not None else "dequantize"
-    logged = ctx.shared.setdefault("logged_sources", set())
+    logged = ctx.once(_logged_sources)
     if chosen not in logged:
         logged.add(chosen)
         where = f" ({checkpoint.directory})" if checkpoint is not None else ""
-        logger.info("%s: recovery weights from source=%s%s, first unit %r", backend, chosen, where, name)
+        logger.info("%s: recovery weights from source=%s%s, first unit %r", ctx.backend, chosen, where, name)
     return checkpoint
 
 
-def _make_unit(unit_cls: type[UnitT], module: nn.Module, name: str, ctx: DispatchContext, matches: RowCheck) -> UnitT:
-    options: BnbOptions = ctx.options  # type: ignore[assignment]
-    backend = unit_cls.backend_name
-    checkpoint = _recovery_source(ctx, backend, unit_cls.weight_kind, name, module, matches)
-    tuner = tuner_layer(ctx, module)
-    return unit_cls(
-        name,
-        module,
-        source="checkpoint" if checkpoint is not None else "dequantize",
-        checkpoint=checkpoint,
-        ledger=ctx.ledger,
-        signal=resolve_signal(options.signal, name, module, tuner, backend),
-        tuner=tuner,
-    )
-
-
-def dispatch_bnb_int8(module: nn.Module, fqn: str, ctx: DispatchContext) -> BnbInt8Unit | None:
-    """A `BnbInt8Unit` for a bitsandbytes `Linear8bitLt` with INT8 weights, else None."""
-    if not is_bnb_available():
-        return None
+def _int8_unit(module: nn.Module, ctx: DispatchContext) -> type[RecoverableUnit] | None:
     import bitsandbytes as bnb
 
-    if not isinstance(module, bnb.nn.Linear8bitLt):
-        return None
-    name = display_name(fqn)
-    weight = module.weight
-    if module.state.has_fp16_weights or weight.dtype != torch.int8:
-        raise ValueError(
-            f"bnb_int8 unit {name!r}: only INT8 weights are supported (has_fp16_weights="
-            f"{module.state.has_fp16_weights}, weight dtype {weight.dtype}); a module that has not been moved to "
-            "its device yet is not quantized. Exclude it with exclude=[...]"
-        )
-    return _make_unit(BnbInt8Unit, module, name, ctx, lambda row: _int8_row_matches(row, module))
+    return BnbInt8Unit if isinstance(module, bnb.nn.Linear8bitLt) else None
 
 
-def dispatch_bnb_4bit(module: nn.Module, fqn: str, ctx: DispatchContext) -> Bnb4bitUnit | None:
-    """A `Bnb4bitUnit` for a bitsandbytes `Linear4bit` (NF4 or FP4) with quantized weights, else None."""
-    if not is_bnb_available():
-        return None
+def _4bit_unit(module: nn.Module, ctx: DispatchContext) -> type[RecoverableUnit] | None:
     import bitsandbytes as bnb
 
-    if not isinstance(module, bnb.nn.Linear4bit):
-        return None
-    name = display_name(fqn)
-    weight = module.weight
-    if not getattr(weight, "bnb_quantized", False) or getattr(weight, "quant_state", None) is None:
-        raise ValueError(
-            f"bnb_4bit unit {name!r}: the weight is not quantized yet (bitsandbytes quantizes a Linear4bit when it "
-            "is moved to its device); load the model with a 4-bit BitsAndBytesConfig, or exclude it with "
-            "exclude=[...]"
-        )
-    problem = _4bit_layout_problem(module)
-    if problem:
-        raise ValueError(f"bnb_4bit unit {name!r}: {problem}. Or exclude it with exclude=[...]")
-    return _make_unit(Bnb4bitUnit, module, name, ctx, lambda row: _4bit_row_matches(row, module))
+    return Bnb4bitUnit if isinstance(module, bnb.nn.Linear4bit) else None
 
 
 _OTHER_BACKENDS = (
@@ -442,8 +330,9 @@ _OTHER_BACKENDS = (
 
 BNB_INT8 = Backend(
     name="bnb_int8",
-    dispatchers=(dispatch_bnb_int8,),
-    options=BnbInt8Options,
+    unit_for=_int8_unit,
+    options=BnbOptions,
+    requires="bitsandbytes",
     hint=(
         "The bnb_int8 backend manages bitsandbytes Linear8bitLt layers: load the model in 8-bit with "
         "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_8bit=True)) (then peft LoRA as "
@@ -454,8 +343,9 @@ BNB_INT8 = Backend(
 
 BNB_4BIT = Backend(
     name="bnb_4bit",
-    dispatchers=(dispatch_bnb_4bit,),
-    options=Bnb4bitOptions,
+    unit_for=_4bit_unit,
+    options=BnbOptions,
+    requires="bitsandbytes",
     hint=(
         "The bnb_4bit backend manages bitsandbytes Linear4bit layers (QLoRA): load the model in 4-bit with "
         "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, "
@@ -464,3 +354,5 @@ BNB_4BIT = Backend(
         + _OTHER_BACKENDS.format(other="Linear8bitLt", other_backend="bnb_int8")
     ),
 )
+
+BACKENDS = (BNB_INT8, BNB_4BIT)

@@ -1,50 +1,26 @@
-"""The baselines a GNMR claim is measured against, as policies over the very same units and callback.
+"""The baselines a GNMR claim is measured against, as `Selection`s over the very same units, callback and trace.
 
-A baseline differs from GNMR in one thing only: *which* units run on the recovery path at the next step. Everything
-else — finding the units, reading the pre-clip per-unit norms once per optimizer step, flipping units, the trace, the
-summary, the Trainer logs — is `GNMRCallback`'s, so every arm of a comparison runs the same code path and pays the
-same overheads. `PolicyCallback` is a `GNMRCallback` whose controller is a `PolicyController`: a `GNMRController`
-that still computes GNMR's scores every step (so every arm's trace has GNMR's risks and exceedance rate, which the
-oracle comparison and the results table read) but hands the choice of the recovery set to a `Policy`:
-
-- `StaticPolicy(high=False)` / `StaticPolicy(high=True)`: static low-cost (nothing ever in recovery) and static
-  high-fidelity (every unit always in recovery).
-- `RandomPolicy`: a random set with GNMR's budget: every `lock_steps` decisions it draws a count whose mean is
-  `mean_active` (at most `max_active`) and that many units uniformly at random, held for `lock_steps` steps, as a
-  GNMR selection would be.
-- `FixedSetPolicy`: a carve-out, the same units on the recovery path for the whole run. `first_last_units` picks the
-  first and last layers' units (the usual "keep the ends in high precision" rule) and `best_static_units` the units
-  with the largest mean oracle gap over a run (`gnmr_hf.experiments.oracle`): the best static carve-out in hindsight.
-- `GlobalZScorePolicy`: a global spike detector as ZClip uses one: an exponential moving mean and variance of the
-  total gradient norm (here over the units' signal tensors) and a z-score threshold. It knows *when* something
-  spiked, not *where*, so when it fires it recovers the `max_active` units with the largest raw gradient norm, for
-  `lock_steps` steps: the same budget as GNMR, localized by the obvious rule that needs no history.
-
-Baselines do not resume from a checkpoint (their policy state is not exported); a comparison runs each arm once.
+A baseline differs from GNMR in one thing only: *which* units run on the recovery path at the next step
+(`GNMRCallback(config, selection=...)`); GNMR's scores are still computed and traced every step. Static low/high,
+a random set at GNMR's budget, fixed carve-outs (named, first/last layers, best in hindsight from the oracle) and
+a ZClip-style global z-score detector. They do not resume from a checkpoint; a comparison runs each arm once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
-from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
-from ..callback import GNMRCallback
-from ..config import GNMRConfig
-from ..controller import Decision, GNMRController
-from ..units import RecoverableUnit
+from ..controller import Decision, Selection
 
 __all__ = [
+    "FirstLastPolicy",
     "FixedSetPolicy",
     "GlobalZScorePolicy",
-    "Policy",
-    "PolicyCallback",
-    "PolicyController",
+    "NamedSetPolicy",
     "RandomPolicy",
     "StaticPolicy",
     "best_static_units",
@@ -52,26 +28,7 @@ __all__ = [
 ]
 
 
-class Policy(ABC):
-    """Chooses the recovery set of the next step from one step's GNMR decision and per-unit norms."""
-
-    name = "policy"
-
-    def bind(self, units: Sequence[RecoverableUnit], device: torch.device) -> None:
-        """Called once at train begin with the units (in controller order) and the device of the norms."""
-        self.num_units = len(units)
-        self.device = device
-
-    def initial(self) -> torch.Tensor:
-        """The set that runs at step 1 (bool [N]); by default none."""
-        return torch.zeros(self.num_units, dtype=torch.bool, device=self.device)
-
-    @abstractmethod
-    def select(self, decision: Decision, norms: torch.Tensor, missing: torch.Tensor | None) -> torch.Tensor:
-        """The set for step `decision.step + 1` (bool [N] on the norms' device)."""
-
-
-class StaticPolicy(Policy):
+class StaticPolicy(Selection):
     """Every unit on the recovery path (`high=True`) or none (`high=False`), at every step."""
 
     def __init__(self, high: bool) -> None:
@@ -85,21 +42,26 @@ class StaticPolicy(Policy):
         return self.initial()
 
 
-class FixedSetPolicy(Policy):
+class FixedSetPolicy(Selection):
     """The units named `names` on the recovery path for the whole run (a carve-out)."""
 
     def __init__(self, names: Sequence[str], name: str = "carve_out") -> None:
-        self.names = list(names)
+        self.fixed = list(names)
         self.name = name
 
-    def bind(self, units: Sequence[RecoverableUnit], device: torch.device) -> None:
-        super().bind(units, device)
-        index = {u.name: i for i, u in enumerate(units)}
-        unknown = [n for n in self.names if n not in index]
+    def choose(self, names: Sequence[str]) -> list[str]:
+        """The unit names to keep on the recovery path, from all of them."""
+        return self.fixed
+
+    def bind(self, names: Sequence[str], device: torch.device) -> None:
+        super().bind(names, device)
+        index = {n: i for i, n in enumerate(names)}
+        chosen = self.choose(names)
+        unknown = [n for n in chosen if n not in index]
         if unknown:
-            raise ValueError(f"FixedSetPolicy: names {unknown} are not units; the units are {sorted(index)}")
+            raise ValueError(f"{type(self).__name__}: names {unknown} are not units; the units are {sorted(index)}")
         self.mask = torch.zeros(self.num_units, dtype=torch.bool, device=device)
-        self.mask[[index[n] for n in self.names]] = True
+        self.mask[[index[n] for n in chosen]] = True
 
     def initial(self) -> torch.Tensor:
         return self.mask.clone()
@@ -108,7 +70,32 @@ class FixedSetPolicy(Policy):
         return self.mask.clone()
 
 
-class RandomPolicy(Policy):
+class NamedSetPolicy(FixedSetPolicy):
+    """The units whose names match one of `patterns` (regexes, searched), for the whole run."""
+
+    def __init__(self, patterns: Sequence[str]) -> None:
+        super().__init__([], name="carve_named")
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def choose(self, names: Sequence[str]) -> list[str]:
+        chosen = [n for n in names if any(p.search(n) for p in self.patterns)]
+        if not chosen:
+            raise ValueError(f"carve_named: no unit name matches {[p.pattern for p in self.patterns]}")
+        return chosen
+
+
+class FirstLastPolicy(FixedSetPolicy):
+    """The first/last-layers carve-out of `count` units, chosen when the units are known."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__([], name="carve_first_last")
+        self.count = count
+
+    def choose(self, names: Sequence[str]) -> list[str]:
+        return first_last_units(names, min(self.count, len(names)))
+
+
+class RandomPolicy(Selection):
     """Random units with GNMR's budget: every `lock_steps` decisions, c units drawn uniformly, held `lock_steps`
     steps, with c = floor(mean_active) or that + 1 so that its mean is `mean_active`, and c <= max_active."""
 
@@ -142,7 +129,7 @@ class RandomPolicy(Policy):
         return self.current.clone()
 
 
-class GlobalZScorePolicy(Policy):
+class GlobalZScorePolicy(Selection):
     """ZClip-style global spike detector at GNMR's budget (see the module docstring).
 
     The total norm g_t = sqrt(sum of the units' squared norms) is compared with an exponential moving mean m and
@@ -161,8 +148,8 @@ class GlobalZScorePolicy(Policy):
         self.z_threshold, self.ema, self.warmup = z_threshold, ema, warmup
         self.history: list[torch.Tensor] = []
 
-    def bind(self, units: Sequence[RecoverableUnit], device: torch.device) -> None:
-        super().bind(units, device)
+    def bind(self, names: Sequence[str], device: torch.device) -> None:
+        super().bind(names, device)
         self.locks = torch.zeros(self.num_units, dtype=torch.int32, device=device)
         self.mean = torch.zeros((), dtype=torch.float64, device=device)
         self.var = torch.zeros((), dtype=torch.float64, device=device)
@@ -193,64 +180,6 @@ class GlobalZScorePolicy(Policy):
         # A fresh firing replaces the previous selection, so the budget holds.
         self.locks = torch.where(fired & ~top, 0, self.locks).to(torch.int32)
         return self.locks > 0
-
-
-class PolicyController(GNMRController):
-    """A `GNMRController` that keeps scoring every unit as GNMR does but lets `policy` choose the recovery set.
-
-    The returned `Decision` has GNMR's scores, risks and risky set, and the policy's `active`, `entered`, `exited`
-    and `candidates` (the policy's set); `self.active` is the policy's set.
-    """
-
-    def __init__(self, config: GNMRConfig, num_units: int, policy: Policy, device: torch.device | str = "cpu") -> None:
-        super().__init__(config, num_units, device)
-        self.policy = policy
-        self.active = policy.initial()
-        self._policy_before: torch.Tensor | None = None
-
-    @torch.no_grad()
-    def observe(self, norms: torch.Tensor, missing: torch.Tensor | None = None) -> Decision:
-        previous = self.active
-        decision = super().observe(norms, missing)
-        active = self.policy.select(decision, norms, missing).to(self.device)
-        self._policy_before, self.active = previous, active
-        return dataclasses.replace(
-            decision, active=active, entered=active & ~previous, exited=previous & ~active, candidates=active
-        )
-
-    def revert(self) -> None:
-        super().revert()
-        if self._policy_before is not None:
-            self.active, self._policy_before = self._policy_before, None
-
-
-class PolicyCallback(GNMRCallback):
-    """`GNMRCallback` with a baseline `policy` choosing the recovery set (see the module docstring).
-
-    Args:
-        policy: the baseline.
-        config: a `GNMRConfig` (backend, its options, include/exclude, and GNMR's thresholds for the scores it
-            still records), or a dict of its fields; `**config_kwargs` as for `GNMRCallback`.
-    """
-
-    def __init__(self, policy: Policy, config: GNMRConfig | dict[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        if not isinstance(policy, Policy):
-            raise TypeError(f"PolicyCallback: policy must be a Policy, got {type(policy).__name__}")
-        self.policy = policy
-
-    def _start(self, args: Any, state: Any, optimizer: Any) -> None:
-        # GNMRCallback.on_train_begin found the units and calls this; overriding on_train_begin itself would hide
-        # the Trainer's callback handler from it (it finds the handler as its caller).
-        if state.global_step > 0:
-            raise ValueError(f"PolicyCallback ({self.policy.name}): baselines do not resume; start the arm anew")
-        super()._start(args, state, optimizer)
-        assert self.controller is not None
-        self.policy.bind(self.units, self.controller.device)
-        self.controller = PolicyController(self.config, len(self.units), self.policy, self.controller.device)
-        if not self.config.monitor_only:
-            for i in self.controller.active.nonzero().flatten().tolist():
-                self.units[i].enter_recovery()
 
 
 _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")

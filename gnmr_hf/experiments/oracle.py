@@ -57,7 +57,7 @@ def recovery_gaps(model: nn.Module, units: Sequence[RecoverableUnit], batch: dic
             owners.append(i)
             tensors.append(t)
     was_recovering = [u.in_recovery for u in units]
-    ledgers = {id(u.ledger): (u.ledger, u.ledger.peak_bytes) for u in units if hasattr(u, "ledger")}
+    ledgers = {id(u.ledger): (u.ledger, u.ledger.peak_bytes) for u in units}
     try:
         with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             for unit in units:
@@ -88,7 +88,7 @@ class OracleCallback(TrainerCallback):
     docstring) and writes them to `oracle.jsonl` in the output folder at train end.
 
     Args:
-        owner: the `GNMRCallback` (or baseline `PolicyCallback`) whose units and decisions are compared; its
+        owner: the `GNMRCallback` (with or without a baseline `selection`) whose units and decisions are compared; its
             `trace_top_k` should be >= the number of units, so that GNMR's risk of every unit is known.
         dataset: the training dataset, read sequentially (batch t = items (t-1)*batch_size .. t*batch_size - 1).
         batch_size: items per optimizer step.

@@ -36,7 +36,6 @@ import json
 import logging
 import math
 import os
-import re
 import statistics
 import sysconfig
 import time
@@ -53,12 +52,12 @@ from ..callback import GNMRCallback
 from ..config import GNMRConfig
 from ..trace import read_trace
 from .baselines import (
+    FirstLastPolicy,
     FixedSetPolicy,
     GlobalZScorePolicy,
-    PolicyCallback,
+    NamedSetPolicy,
     RandomPolicy,
     StaticPolicy,
-    first_last_units,
 )
 
 __all__ = [
@@ -467,48 +466,22 @@ def arm_callbacks(
     if arm == "gnmr_relapse":
         return [GNMRCallback(dataclasses.replace(config, relapse_lock=True))]
     if arm in ("static_low", "static_high"):
-        return [PolicyCallback(StaticPolicy(high=arm == "static_high"), config)]
+        return [GNMRCallback(config, selection=StaticPolicy(high=arm == "static_high"))]
     if arm == "global_z":
-        return [PolicyCallback(GlobalZScorePolicy(config.max_active, config.lock_steps), config)]
+        return [GNMRCallback(config, selection=GlobalZScorePolicy(config.max_active, config.lock_steps))]
     if arm == "carve_best":
         if not carve_units:
             raise ValueError("arm_callbacks: carve_best needs carve_units (the units with the largest oracle gaps)")
-        return [PolicyCallback(FixedSetPolicy(carve_units, name="carve_best"), config)]
+        return [GNMRCallback(config, selection=FixedSetPolicy(carve_units, name="carve_best"))]
     if arm == "carve_named":
         if not carve_patterns:
             raise ValueError("arm_callbacks: carve_named needs carve_patterns (PretrainArguments.carve_named)")
-        return [PolicyCallback(_NamedPolicy(carve_patterns), config)]
+        return [GNMRCallback(config, selection=NamedSetPolicy(carve_patterns))]
     if budget is None:
         raise ValueError(f"arm_callbacks: {arm} needs budget, the average number of units GNMR recovered")
     if arm == "random":
-        return [PolicyCallback(RandomPolicy(budget, config.max_active, config.lock_steps, seed=seed), config)]
-    return [PolicyCallback(_FirstLastPolicy(max(1, round(budget))), config)]
-
-
-class _NamedPolicy(FixedSetPolicy):
-    """The units whose names match one of `patterns`, on the recovery path for the whole run."""
-
-    def __init__(self, patterns: Sequence[str]) -> None:
-        super().__init__([], name="carve_named")
-        self.patterns = [re.compile(p) for p in patterns]
-
-    def bind(self, units, device):
-        self.names = [u.name for u in units if any(p.search(u.name) for p in self.patterns)]
-        if not self.names:
-            raise ValueError(f"carve_named: no unit name matches {[p.pattern for p in self.patterns]}")
-        super().bind(units, device)
-
-
-class _FirstLastPolicy(FixedSetPolicy):
-    """The first/last-layers carve-out, sized when the units are known."""
-
-    def __init__(self, count: int) -> None:
-        super().__init__([], name="carve_first_last")
-        self.count = count
-
-    def bind(self, units, device):
-        self.names = first_last_units([u.name for u in units], min(self.count, len(units)))
-        super().bind(units, device)
+        return [GNMRCallback(config, selection=RandomPolicy(budget, config.max_active, config.lock_steps, seed=seed))]
+    return [GNMRCallback(config, selection=FirstLastPolicy(max(1, round(budget))))]
 
 
 def run_arm(
@@ -584,7 +557,7 @@ def _trace_facts(path: Path, owner: GNMRCallback) -> dict[str, Any]:
     n_units = len(header["units"])
     active = sum(len(r["active"]) for r in steps)
     scored = sum(r["n_scored"] for r in steps)
-    ledger = owner.units[0].ledger if owner.units and hasattr(owner.units[0], "ledger") else None
+    ledger = owner.units[0].ledger if owner.units else None
     return {
         "units": n_units,
         "unit_names": header["units"],

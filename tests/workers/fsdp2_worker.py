@@ -6,7 +6,7 @@ accelerate selects FSDP only for accelerator devices (on a CPU it stays MULTI_CP
 an FSDP config; see docs/reliability.md), so the Trainer cannot run FSDP here. This worker therefore drives the
 callback's own machinery in a plain training loop over a model sharded with `fully_shard`: `GNMRCallback` finds
 the units (BACKEND: `act_quant` or `block_fp`, the pretraining backends users shard, or `bf16_cast`, a precision
-backend on full-precision weights registered here from outside the package), reads the
+backend on full-precision weights registered from outside the package: `examples/bf16_cast_backend.py`), reads the
 norms at the end of each backward pass (after FSDP2's reduce-scatter) and decides. Each rank writes, per step, the
 norms GNMR read, the reference norms from DTensor's own `full_tensor()`, and the decision.
 """
@@ -16,14 +16,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 
 def main() -> None:
@@ -34,42 +31,13 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gnmr_hf import BackendOptions, GNMRCallback, GNMRConfig, register_backend
-    from gnmr_hf.backends.adapters import resolve_signal
-    from gnmr_hf.backends.switch import SwitchedUnit
+    from gnmr_hf import GNMRCallback, GNMRConfig
     from gnmr_hf.experiments.tiny import TINY_LLAMA
-    from gnmr_hf.units import display_name
 
-    @dataclass
-    class CastOptions(BackendOptions):
-        backend: ClassVar[str] = "bf16_cast"
-        low_dtype: str = "bfloat16"
+    # The docs' custom backend, registered from outside the package as a user's would be.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import bf16_cast_backend  # noqa: F401
 
-    class CastUnit(SwitchedUnit):
-        """An nn.Linear computed in bfloat16 on the cheap path and in float32 in recovery."""
-
-        def cheap_forward(self, x):
-            w, b = self.module.weight, self.module.bias
-            out = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16), None if b is None else b.to(torch.bfloat16))
-            return out.to(x.dtype)
-
-        def recovery_forward(self, x):
-            return F.linear(x, self.module.weight, self.module.bias)
-
-        def _enter(self) -> int:
-            return 0
-
-        def recovery_bytes(self) -> int:
-            return 0
-
-    def dispatch(module, fqn, ctx):
-        if not isinstance(module, nn.Linear) or fqn.endswith("lm_head"):
-            return None
-        name = display_name(fqn)
-        signal = resolve_signal("weight", name, module, None, "bf16_cast")
-        return CastUnit(name, module, ledger=ctx.ledger, signal=signal, backend="bf16_cast")
-
-    register_backend("bf16_cast", dispatch, options=CastOptions)
     torch.manual_seed(0)
     config = LlamaConfig(**TINY_LLAMA)
     model = LlamaForCausalLM(config)

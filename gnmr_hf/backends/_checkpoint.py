@@ -22,8 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..units import DispatchContext
-
 __all__ = ["CheckpointSource"]
 
 # Checkpoint dtypes worth recovering from: anything narrower than BF16 is no better than a quantized weight.
@@ -37,13 +35,6 @@ class CheckpointSource:
         self.directory = directory
         self.weight_map = weight_map
         self._handles: dict[str, Any] = {}
-
-    @classmethod
-    def for_context(cls, ctx: DispatchContext) -> tuple[CheckpointSource | None, str]:
-        """The checkpoint of the model being searched, located once per `find_units` call, or None and why not."""
-        if "checkpoint" not in ctx.shared:
-            ctx.shared["checkpoint"] = cls.locate(ctx.model)
-        return ctx.shared["checkpoint"]
 
     @classmethod
     def locate(cls, model: nn.Module) -> tuple[CheckpointSource | None, str]:

@@ -1,0 +1,166 @@
+"""Which backends exist, and `find_units`: the one generic walk that turns a model into units.
+
+Built-in backends are the modules of `gnmr_hf/backends/` (helpers start with `_`): each lists its `Backend`
+declarations in `BACKENDS`, and they are imported the first time a backend is looked up, never by `import
+gnmr_hf`. Their optional libraries (bitsandbytes, torchao) are imported only when a unit is matched. Adding a
+built-in backend is one new file there; an outside one is a `register_backend(Backend(...))` call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pkgutil
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from functools import cache
+from typing import Any
+
+from torch import nn
+
+from .options import BackendOptions
+from .signals import tuner_layers
+from .units import Backend, DispatchContext, RecoverableUnit, RecoveryLedger, UnitSet, display_name, unwrap_model
+
+__all__ = ["find_units", "get_backend", "known_backends", "register_backend"]
+
+_REGISTERED: dict[str, Backend] = {}
+
+
+@cache
+def _builtin() -> dict[str, Backend]:
+    from . import backends
+
+    found: dict[str, Backend] = {}
+    for info in sorted(pkgutil.iter_modules(backends.__path__), key=lambda m: m.name):
+        if not info.name.startswith("_"):
+            module = importlib.import_module(f"{backends.__name__}.{info.name}")
+            found.update((b.name, b) for b in getattr(module, "BACKENDS", ()))
+    return found
+
+
+@cache
+def _available(requirement: str) -> bool:
+    return importlib.util.find_spec(requirement) is not None
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Make `find_units(model, backend.name)` and `GNMRConfig(backend=backend.name)` use `backend`."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register_backend: backend must be a gnmr_hf.Backend, got {type(backend).__name__}")
+    if not isinstance(backend.name, str) or not backend.name:
+        raise ValueError(f"register_backend: Backend.name must be a non-empty string, got {backend.name!r}")
+    if backend.name in _builtin():
+        raise ValueError(f"register_backend: {backend.name!r} is a built-in backend and cannot be replaced")
+    if not callable(backend.unit_for):
+        raise TypeError(f"register_backend: Backend.unit_for must be callable, got {backend.unit_for!r}")
+    options = backend.options
+    if not (isinstance(options, type) and issubclass(options, BackendOptions)):
+        raise TypeError(f"register_backend: Backend.options must be a BackendOptions dataclass, got {options!r}")
+    _REGISTERED[backend.name] = backend
+    return backend
+
+
+def known_backends() -> tuple[str, ...]:
+    """The backend names `find_units` accepts now: the built-in ones, then those registered."""
+    return (*_builtin(), *sorted(_REGISTERED))
+
+
+def get_backend(name: str) -> Backend:
+    """The `Backend` called `name`; an unknown name is a `ValueError` listing the known ones."""
+    backend = _REGISTERED.get(name) or _builtin().get(name)
+    if backend is None:
+        raise ValueError(f"unknown backend {name!r}; known backends are {list(known_backends())}")
+    return backend
+
+
+def _compile(patterns: Iterable[str] | str | None, what: str) -> list[re.Pattern[str]] | None:
+    if patterns is None:
+        return None
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    try:
+        return [re.compile(p) for p in patterns]
+    except re.error as err:
+        raise ValueError(f"find_units: invalid regex in {what}: {err}") from None
+
+
+def find_units(
+    model: nn.Module,
+    backend: str | Backend = "bnb_int8",
+    *,
+    include: Iterable[str] | str | None = None,
+    exclude: Iterable[str] | str | None = None,
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    backend_options: Mapping[str, Any] | str | BackendOptions | None = None,
+    **options: Any,
+) -> UnitSet:
+    """Find the recoverable units of `model`, in `named_modules()` order (the controller's unit index).
+
+    Args:
+        backend: a backend's name ("bnb_int8", ... or one given to `register_backend`) or the `Backend` itself.
+        include / exclude: regexes searched in the unit's name (`display_name`, e.g.
+            ``model.layers.0.self_attn.q_proj``); a unit must match some include and no exclude.
+        module_filter_fn: `fn(module, fqn) -> bool` on the raw module and its full name, as in torchao.
+        backend_options / **options: the backend's options, as one value (a dict, JSON or ``key=value,...``
+            text, or a parsed instance) or as keywords; not both.
+
+    Returns:
+        A `UnitSet`: the units, their shared `ledger`, their `names`, and `close()`.
+
+    Raises:
+        ValueError: when no module matches (listing the module types the model has, and the backend's hint),
+            when two units would share a name, or when an option is invalid. A failure leaves the model as found.
+    """
+    spec = get_backend(backend) if isinstance(backend, str) else backend
+    if backend_options is not None and options:
+        raise ValueError("find_units: pass the backend's options either as keywords or as backend_options, not both")
+    parsed = spec.parse_options(backend_options if backend_options is not None else options)
+    inc, exc = _compile(include, "include"), _compile(exclude, "exclude")
+    model = unwrap_model(model)
+    ledger = RecoveryLedger()
+    units: list[RecoverableUnit] = []
+    if spec.requires is None or _available(spec.requires):
+        ctx = DispatchContext(model, spec.name, parsed, ledger, tuner_layers(model))
+        try:
+            for fqn, module in model.named_modules():
+                name = display_name(fqn)
+                if inc is not None and not any(p.search(name) for p in inc):
+                    continue
+                if exc is not None and any(p.search(name) for p in exc):
+                    continue
+                if module_filter_fn is not None and not module_filter_fn(module, fqn):
+                    continue
+                unit_cls = spec.unit_for(module, ctx)
+                if unit_cls is not None:
+                    units.append(unit_cls(name, module, ctx))
+            duplicates = sorted(n for n, c in Counter(u.name for u in units).items() if c > 1)
+            if duplicates:
+                raise ValueError(f"find_units: several units share the names {duplicates}; unit names must be unique")
+        except BaseException:
+            # Units already made may have wrapped their module's forward or put hooks on it: undo that, so that a
+            # failed call leaves the model as it was and a corrected retry works.
+            for unit in units:
+                unit.close()
+            raise
+    if not units:
+        raise ValueError(_no_units_message(model, spec, include, exclude, module_filter_fn))
+    return UnitSet(units, spec, ledger)
+
+
+def _no_units_message(model: nn.Module, spec: Backend, include: Any, exclude: Any, module_filter_fn: Any) -> str:
+    seen = Counter(type(m).__module__ + "." + type(m).__name__ for _, m in model.named_modules())
+    listing = ", ".join(f"{name} x{count}" for name, count in sorted(seen.items()))
+    filters = [f"include={include!r}"] if include is not None else []
+    filters += [f"exclude={exclude!r}"] if exclude is not None else []
+    filters += ["module_filter_fn"] if module_filter_fn is not None else []
+    missing = spec.requires is not None and not _available(spec.requires)
+    return (
+        f"find_units: no module of the model is a {spec.name!r} unit"
+        + (f" after filtering with {', '.join(filters)}" if filters else "")
+        + (f" ({spec.requires} is not installed)" if missing else "")
+        + f". Module types seen: {listing}."
+        + (f" {spec.hint}" if spec.hint else "")
+        + f" Known backends: {list(known_backends())}."
+    )
