@@ -60,6 +60,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState
 from .backends.adapters import active_adapters
 from .config import GNMRConfig
 from .controller import GNMRController, HostDecision
+from .integrations.deepspeed import DeepSpeedZero
 from .signals import UnitSignals
 from .trace import TraceSummary, TraceWriter, set_aside
 from .units import RecoverableUnit, apply_decision, close_live_units, find_units, unwrap_model
@@ -116,6 +117,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self._gradient_state: Any = None
         self._scaler: Any = None
         self._model: nn.Module | None = None
+        self._zero: DeepSpeedZero | None = None
         self._adapters: tuple[str, ...] | None = None
         self._warmup_check_step = 0
         self._window: dict[str, float] = {}
@@ -148,7 +150,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
                     "GNMRCallback: the Trainer has more than one GNMRCallback; one callback manages all units "
                     "(narrow them with include/exclude/module_filter_fn instead)"
                 )
-        _refuse_deepspeed(args)
+        self._zero = DeepSpeedZero.from_trainer(args, optimizer, self.config.backend)
         # Start from a clean model: a run interrupted by an exception or Ctrl-C skipped on_train_end and left its
         # units live (forward wrappers, hooks, recovery weights), this callback's or a callback the Trainer has
         # since replaced (restore_callback_states_from_checkpoint).
@@ -342,6 +344,11 @@ class GNMRCallback(TrainerCallback, ExportableState):
 
     def _install_capture_hooks(self) -> None:
         assert self._model is not None
+        if self._zero is not None:
+            # DeepSpeed ZeRO: the reduced gradients exist only just before its optimizer step, read there.
+            sink = lambda norms, missing: setattr(self, "_pending", (norms, missing))  # noqa: E731
+            self._hooks = [self._zero.install(self.units, sink)]
+            return
         self._hooks = [self._model.register_forward_hook(self._on_model_forward)]
 
     def _on_model_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -474,17 +481,6 @@ def _unit_kinds(units: list[RecoverableUnit]) -> dict[str, dict[str, int]]:
         for key, value in unit.describe().items():
             kinds.setdefault(key, Counter())[str(value)] += 1
     return {key: dict(counts.most_common()) for key, counts in kinds.items()}
-
-
-def _refuse_deepspeed(args: Any) -> None:
-    """DeepSpeed ZeRO partitions gradients inside its engine: after its reduction a parameter's `.grad` may be
-    None or a stale buffer, so every unit would read as missing (or wrong) with no error. Refuse it clearly."""
-    if getattr(args, "deepspeed", None) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        raise ValueError(
-            "GNMRCallback: DeepSpeed is not supported: ZeRO keeps gradients inside its engine, where GNMR cannot "
-            "read each unit's norm (its .grad is None or partial after the reduction). Use FSDP2 (accelerate "
-            "launch with an FSDP config, fsdp_version: 2) or DDP, whose gradients GNMR reads exactly"
-        )
 
 
 def _data_parallel_group() -> Any:

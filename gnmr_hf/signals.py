@@ -21,8 +21,8 @@ Several processes. The decisions must be the same on every rank, so the norms mu
   differ per rank; with `dp_group` their squares and whether they fired are summed across the data-parallel
   group, so every rank scores the whole global batch and agrees on which units are missing.
 
-DeepSpeed ZeRO keeps gradients inside its engine (`.grad` may be None after its reduction); the Trainer
-callback refuses it rather than reading every unit as missing.
+DeepSpeed ZeRO keeps gradients inside its engine (`.grad` is None at every Trainer event):
+`gnmr_hf/integrations/deepspeed.py` reads them there the same way, squares of the local slices reduced across ranks.
 """
 
 from __future__ import annotations
