@@ -107,3 +107,25 @@ def test_deepspeed_fp16_is_refused_and_bf16_zero2_is_read():
 def test_deepspeed_without_a_zero_optimizer_is_refused(optimizer):
     with pytest.raises(ValueError, match=r"needs a ZeRO optimizer \(stage 1, 2 or 3\).*DDP or FSDP2"):
         DeepSpeedZero.from_trainer(SimpleNamespace(deepspeed="ds.json"), optimizer, "bnb_int8")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_zero_accelerate_configs_launch_deepspeed_at_their_stage(stage):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "configs" / f"deepspeed_zero{stage}.yaml"
+    config = load_config_from_file(str(path))
+    assert config.distributed_type == "DEEPSPEED" and config.deepspeed_config["zero_stage"] == stage
+    assert config.mixed_precision == "no"  # precision comes from the recipe's --bf16, as in the other configs
+    assert path.read_text().startswith(f"# accelerate launch --config_file recipes/configs/{path.name} ")
+
+
+def test_the_zero_memory_table_in_the_docs_is_what_the_script_prints():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    table = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "zero_memory.py")], capture_output=True, text=True, check=True
+    ).stdout
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert len(rows) == 7 and all(row in (root / "docs" / "recipes.md").read_text() for row in rows)
