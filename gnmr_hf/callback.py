@@ -59,6 +59,7 @@ from transformers.trainer_callback import ExportableState
 
 from .config import GNMRConfig
 from .controller import GNMRController, HostDecision, Selection
+from .integrations.deepspeed import DeepSpeedZero
 from .registry import find_units, get_backend
 from .signals import UnitSignals
 from .trace import TraceSummary, TraceWriter, set_aside
@@ -126,6 +127,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self._scaler: Any = None
         self._model: nn.Module | None = None
         self._placed_first = False  # GNMRTrainer puts this callback ahead of the reporting integrations
+        self._zero: DeepSpeedZero | None = None
         self._warmup_check_step = 0
         self._window: dict[str, float] = {}
         self._window_steps = 0
@@ -149,7 +151,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if model is None:
             raise ValueError("GNMRCallback.on_train_begin: the Trainer passed no model")
-        _refuse_deepspeed(args)
+        self._zero = DeepSpeedZero.from_trainer(args, optimizer, self.config.backend)
         model = unwrap_model(model)
         run = model.__dict__.get(_RUN_ATTR)
         owner, owner_state = (run[0](), run[1]) if run is not None else (None, None)
@@ -366,6 +368,11 @@ class GNMRCallback(TrainerCallback, ExportableState):
 
     def _install_capture_hooks(self) -> None:
         assert self._model is not None
+        if self._zero is not None:
+            # DeepSpeed ZeRO: the reduced gradients exist only just before its optimizer step, read there.
+            sink = lambda norms, missing: setattr(self, "_pending", (norms, missing))  # noqa: E731
+            self._hooks = [self._zero.install(self.units, sink)]
+            return
         self._hooks = [self._model.register_forward_hook(self._on_model_forward)]
 
     def _on_model_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -479,17 +486,6 @@ def _unit_kinds(units: list[RecoverableUnit]) -> dict[str, dict[str, int]]:
         for key, value in unit.describe().items():
             kinds.setdefault(key, Counter())[str(value)] += 1
     return {key: dict(counts.most_common()) for key, counts in kinds.items()}
-
-
-def _refuse_deepspeed(args: Any) -> None:
-    """DeepSpeed ZeRO partitions gradients inside its engine: after its reduction a parameter's `.grad` may be
-    None or a stale buffer, so every unit would read as missing (or wrong) with no error. Refuse it clearly."""
-    if getattr(args, "deepspeed", None) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        raise ValueError(
-            "GNMRCallback: DeepSpeed is not supported: ZeRO keeps gradients inside its engine, where GNMR cannot "
-            "read each unit's norm (its .grad is None or partial after the reduction). Use FSDP2 (accelerate "
-            "launch with an FSDP config, fsdp_version: 2) or DDP, whose gradients GNMR reads exactly"
-        )
 
 
 def _data_parallel_group() -> Any:

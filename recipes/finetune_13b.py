@@ -269,12 +269,13 @@ def load_model(args: FinetuneArguments, training_args: TrainingArguments) -> tup
     """The arm's base model with LoRA adapters (a peft model), and its tokenizer."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, set_seed
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
-    kwargs: dict[str, Any] = {
-        "dtype": torch.bfloat16,
+    kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
+    if not is_deepspeed_zero3_enabled():
         # Straight onto this rank's device: a 13B BF16 model staged in host memory first would need 26 GB there.
-        "device_map": {"": str(training_args.device)},
-    }
+        # (ZeRO-3 refuses a device_map: it partitions the weights across ranks as they load.)
+        kwargs["device_map"] = {"": str(training_args.device)}
     if args.arm != "bf16":
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, **kwargs)
