@@ -2,43 +2,12 @@
 
     trainer.add_callback(GNMRCallback(GNMRConfig(max_active=4, lock_steps=8)))
 
-What it does, per optimizer step k (transformers 5 event order):
-
-1. It reads every unit's gradient norm once, at the end of the OUTERMOST backward pass of the last micro-batch of
-   the accumulation window: the only moment the gradients are final but not yet clipped (`on_pre_optimizer_step`
-   runs after `Trainer._clip_grad_norm`, which rescales every unit at once and would hide a spike). How: a
-   forward hook on the model puts a tensor hook on its outputs (loss, logits); their gradient is computed at the
-   very start of the backward pass, in the outermost graph task, so the end-of-backward callback queued from
-   there runs after the whole pass, including the nested backwards that reentrant gradient checkpointing runs
-   per layer (a callback queued from a parameter hook would land in such a nested pass and fire too early), and
-   after anything queued during the pass (DDP's gradient averaging, FSDP's reduce-scatter). The N norms are
-   computed in one fused pass on the device with no sync. The Trainer marks the last micro-batch through
-   accelerate's `GradientState.sync_gradients`.
-2. fp16 with a loss scaler (from `TrainingArguments.fp16`, `--mixed_precision fp16` or
-   `ACCELERATE_MIXED_PRECISION`; found as the optimizer's `scaler`): the norms are divided by the scale on the
-   device, and a step the scaler skips for inf/NaN gradients is not observed at all (no history, no decision
-   change; a "skip" line in the trace).
-3. In `on_optimizer_step` the controller scores those norms and decides; the decision is fetched with the single
-   device-to-host transfer of the step, and units enter or leave recovery (exits first, so at most
-   `max_active` recovery weights exist at any moment). The next forward, step k+1, runs with the new precision.
-4. Metrics go into the Trainer's training logs (so TensorBoard, W&B and the console get them; evaluation logs
-   get none), every decision goes to a JSONL trace in `output_dir`, and the controller state goes into every
-   checkpoint's `trainer_state.json`.
-
-Logging detail: `Trainer.log()` hands the same `logs` dict to the callbacks in list order, and the reporting
-integrations (TensorBoard, W&B) are callbacks that `add_callback` puts before ours: they log before our metrics are
-added. `GNMRTrainer` puts the callback first, so they get them; with `add_callback` and a `report_to`, train begin
-says so once.
-
-Resume: the state is exported through `ExportableState`, so it is in every checkpoint's `trainer_state.json`
-(`stateful_callbacks`), which the Trainer loads on every resume, from any folder. With
-`restore_callback_states_from_checkpoint=True` the Trainer rebuilds the callback with that state; without, the
-callback reads it from `state.stateful_callbacks` itself. Both give the decisions of an uninterrupted run.
-
-A run interrupted by an exception or Ctrl-C skips `on_train_end`; the next `on_train_begin` first closes every
-unit still live on the model (forward wrappers, hooks, recovery weights), so a retry starts from a clean model.
-A fresh run never overwrites an earlier trace or summary: they are set aside as `gnmr_trace.1.jsonl`, ... with a
-warning.
+Per optimizer step: the units' norms are read once, at the end of the outermost backward pass of the last
+micro-batch (after accumulation and DDP/FSDP reductions, before the Trainer clips; fp16 norms unscaled on the
+device, a skipped step never observed); `on_optimizer_step` lets the controller decide, fetches the decision in
+the step's one device-to-host transfer and flips units (exits first) for the next step; metrics go into the
+Trainer's training logs, decisions into a JSONL trace, the controller state into every checkpoint. Why each of
+these happens where it does: docs/method.md, "The signal" and "Resume".
 """
 
 from __future__ import annotations

@@ -1,57 +1,9 @@
-"""Low-bit numerics shared by the backends: absmax integers with bit packing, and block-scaled low-bit floats.
-
-Two families of cheap paths need the same few pieces of arithmetic, so they live here once, as plain tensor
-functions with no module or autograd machinery (the backends wrap them).
-
-**Integer absmax quantization** (`quantize_absmax`, used by `act_quant` for the input a Linear saves for
-backward). Symmetric, no zero point: with qmax = 2**(bits-1) - 1 the codes are the integers -qmax..qmax
-(4 bits: -7..7, 8 bits: -127..127; the extra negative code -2**(bits-1) is left unused so that +x and -x
-quantize alike) and scale = absmax / qmax, one float32 per tensor or per contiguous group of `group_size`
-elements along the last dimension. Rounding is to nearest with `torch.round` (ties to even), so
-|x - dequantized| <= scale / 2; or stochastic, floor(x / scale + U[0, 1)), unbiased (E[dequantized] = x) with
-|x - dequantized| < scale. Both bounds hold in exact arithmetic; float32 evaluation of x / scale adds a few ulps,
-and dequantizing to a bf16/fp16 original dtype adds that dtype's own rounding. `absmax_error_bound` returns the
-bound per element. The codes are stored offset by +qmax as uint8 and *packed*: 8 // bits codes share a byte
-when bits divides 8 (2 bits: four per byte, 4 bits: two), one per byte otherwise, so 4-bit storage really is
-half of 8-bit. The obvious alternative, int8 codes in an int8 tensor whatever the bit width, saves no memory
-below 8 bits, which is the point of the cheap path.
-
-**Low-bit floats** (`round_to_format`, `quantize_blocks`, used by `block_fp`). `round_to_format` rounds float32
-values to the nearest value of an element format (`FORMATS`): the OCP Microscaling (MX) v1.0 element types
-FP4 e2m1 (max 6), FP6 e2m3 (max 7.5) and FP6 e3m2 (max 28), which have no inf/NaN codes, so every exponent code
-is normal and code 0 holds the subnormals; and OCP FP8 e4m3 (E4M3FN: max 448, NaN but no inf) and e5m2 (max
-57344, IEEE-like). Ties go to the even mantissa, finite values beyond the largest finite value saturate to
-+-max (no format here ever produces inf from a finite input), subnormals are exact. The result is float32 holding
-the rounded value ("fake quantization"); the format's bit codes are never materialized.
-
-- e4m3 and e5m2 use torch's own casts to `torch.float8_e4m3fn` / `torch.float8_e5m2` (round to nearest even),
-  the conversions real FP8 kernels apply, one fused instruction on a GPU. The casts do not saturate uniformly
-  (torch 2.13 on CPU: e5m2 overflows to inf, e4m3fn saturates and also turns +-inf into +-448; torch 2.11 and
-  older did not saturate e4m3fn either), so values are clamped to +-max first and +-inf is put back after.
-- e2m1, e2m3 and e3m2 have no torch dtype that rounds, so they are rounded here in a handful of elementwise
-  ops: the quantum (spacing) of the format at x is 2**(max(floor(log2|x|), emin) - mbits), a power of two read
-  straight off x's float32 exponent bits (clamping the exponent at emin gives the subnormals the smallest
-  quantum); x / quantum is then exact, `torch.round` rounds it half-to-even (which is ties-to-even on the
-  mantissa, since the integer's parity is the mantissa's), and multiplying back is exact. The obvious
-  alternative, `torch.frexp` + `torch.ldexp`, gives the same results several times slower (docs/quant.md has
-  the measurements).
-- torchao 0.18's `torchao.prototype.custom_fp_utils` rounds FP4/FP6 exactly too, but it is private prototype
-  API, it is slower still (it builds the bit codes and decodes them back), and it turns NaN into 1.5 and +-inf
-  into +-max: plausible finite numbers. The tests cross-check our finite results against it when torchao is
-  importable.
-
-Non-finite values stay visible, by decision: NaN stays NaN and +-inf stays +-inf in `round_to_format`, although
-the formats have no inf code (e4m3 has no inf; the MX types have neither inf nor NaN), because the output is
-float32 and a gradient monitor downstream must see the failure rather than a plausible finite number. In
-`quantize_absmax` and `quantize_blocks` a NaN or inf anywhere in a group/block makes that group's scale NaN, so
-the whole group/block dequantizes to NaN and every other group is untouched.
-
-**Block scaling** (`quantize_blocks`): DeepSeek-V3's fine-grained scaling, one float32 scale per 1x128 tile of
-activations and gradients and per 128x128 block of weights, scale = amax / max so that each block uses the
-format's whole range; or, with `scale="pow2"`, the OCP MX v1.0 conversion (section 6.3): 32-element blocks with a
-power-of-two (E8M0) scale X = 2**(floor(log2(amax)) - emax), where emax is the exponent of the format's largest
-normal value. X keeps only the exponent of amax, so the largest element of a block can land above max and
-saturate (e2m1: amax / X lies in [4, 8), max is 6) - that is the spec's behaviour, reproduced here.
+"""Low-bit numerics shared by the backends, written once: absmax integers with bit packing (`quantize_absmax`, the
+saved inputs of `act_quant`) and block-scaled low-bit floats (`round_to_format`, `quantize_blocks`: FP4/FP6 MX
+element types and FP8 with DeepSeek-V3 or MX scales, for `block_fp`). Plain tensor functions; ties to even,
+saturation instead of inf, NaN and inf kept visible. Written by hand where no maintained library rounds FP4/FP6
+exactly with public API (torchao's is private prototype code that turns NaN into 1.5). Every decision, its test
+and its cost: docs/quant.md.
 """
 
 from __future__ import annotations

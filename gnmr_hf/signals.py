@@ -1,31 +1,8 @@
-"""What a unit is scored on (its `Signal`), and the per-unit gradient norms of all units in one fused pass, with no
-device-to-host sync, identical on every rank.
-
-A unit's signal is one of: its peft adapters' trainable tensors (`lora`), its own trainable weight (`weight`), or
-the gradient flowing into its output (`output_grad`, an `OutputGradMeter`). peft is asked which tuner layer wraps
-which base module (`BaseTunerLayer.get_base_layer()`), never name suffixes, and imported only when installed.
-
-A unit's signal is the L2 norm of the gradients of its signal tensors (for LoRA: lora_A and lora_B of every
-active adapter) taken together: sqrt(sum_j ||g_j||^2). Computing that with a Python loop of `.norm()` calls
-would launch one kernel per tensor and, worse, tempt `.item()` calls. Instead the gradients go through
-`torch._foreach_norm` (a multi-tensor kernel on GPU), the per-tensor squares are summed into their units in one
-fixed-order reduction, and the result stays on the device for the controller.
-
-A unit none of whose tensors has a gradient this step (a layer that was not used, a frozen branch) is reported
-as *missing*: its norm is NaN and `missing[i]` is True, so the controller skips it instead of reading a zero
-as "perfectly stable". Which `.grad` is None is known on the host, so the mask costs no sync.
-
-Several processes. The decisions must be the same on every rank, so the norms must be:
-
-- Replicated gradients (DDP after its averaging, or any plain tensor) are already identical on every rank.
-- Sharded gradients (FSDP2's `fully_shard` gives DTensor parameters whose gradients are DTensors) hold a slice
-  of each tensor per rank: the squares of their local shards are summed per unit, then across the mesh
-  dimensions the tensor is sharded on, with one all-reduce per distinct group, before the square root. Only
-  the sharded part is reduced: adding a replicated square once per rank would count it several times.
-- Output-gradient meters measure the gradient of a module's output for the rank's own micro-batches, which
-  differ per rank; with `dp_group` their squares and whether they fired are summed across the data-parallel
-  group, so every rank scores the whole global batch and agrees on which units are missing.
-
+"""What a unit is scored on (`Signal`: its peft adapters, its weight, or its output gradient), and `UnitSignals`: the
+per-unit gradient norms of all units in one fused pass (`torch._foreach_norm`, a fixed-order per-unit sum), with no
+host sync, NaN and a `missing` mark for a unit without a gradient, and identical on every rank (sharded DTensor
+gradients and output-gradient meters reduce their squares across ranks). peft is asked which tuner layer wraps
+which module (`get_base_layer()`) and imported only when installed. Details: docs/method.md, "The signal".
 """
 
 from __future__ import annotations
