@@ -12,9 +12,11 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["BackendOptions", "parse_options_text"]
+
+OptionsT = TypeVar("OptionsT", bound="BackendOptions")
 
 
 @dataclass
@@ -48,7 +50,7 @@ class BackendOptions:
         return dataclasses.asdict(self)
 
     @classmethod
-    def parse(cls, options: Mapping[str, Any] | str | None) -> BackendOptions:
+    def parse(cls: type[OptionsT], options: Mapping[str, Any] | str | None) -> OptionsT:
         """An instance from a mapping, a JSON object string, ``key=value,...`` text, or None (the defaults)."""
         data = parse_options_text(options, what="options")
         known = {f.name: f for f in dataclasses.fields(cls)}

@@ -14,7 +14,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, overload
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ __all__ = [
 logger = logging.getLogger("gnmr_hf")
 
 T = TypeVar("T")
+OptionsT = TypeVar("OptionsT", bound=BackendOptions)
 
 # Path components that wrappers insert into `named_modules()` names: DDP/DataParallel (`module`), torch.compile
 # (`_orig_mod`), FSDP1 and activation-checkpoint wrappers, and peft (`base_model.model`, `base_layer`).
@@ -83,7 +84,7 @@ class RecoveryLedger:
 
 
 @dataclass
-class DispatchContext:
+class DispatchContext(Generic[OptionsT]):
     """What one `find_units` call shares with the units it builds.
 
     Attributes:
@@ -96,7 +97,7 @@ class DispatchContext:
 
     model: nn.Module
     backend: str = ""
-    options: BackendOptions = field(default_factory=BackendOptions)
+    options: OptionsT = field(default_factory=BackendOptions)  # type: ignore[assignment]
     ledger: RecoveryLedger = field(default_factory=RecoveryLedger)
     tuners: dict[int, nn.Module] = field(default_factory=dict)
     _once: dict[Callable[..., Any], Any] = field(default_factory=dict, repr=False)
@@ -270,7 +271,7 @@ class SwitchedUnit(RecoverableUnit, ABC):
 
 
 @dataclass(frozen=True)
-class Backend:
+class Backend(Generic[OptionsT]):
     """A kind of recoverable unit, declared once; a module of `gnmr_hf/backends/` lists its own in `BACKENDS`, an
     outside one is passed to `gnmr_hf.register_backend`.
 
@@ -284,17 +285,19 @@ class Backend:
     """
 
     name: str
-    unit_for: Callable[[nn.Module, DispatchContext], type[RecoverableUnit] | None]
-    options: type[BackendOptions] = BackendOptions
+    unit_for: Callable[[nn.Module, DispatchContext[OptionsT]], type[RecoverableUnit] | None]
+    options: type[OptionsT] = BackendOptions  # type: ignore[assignment]
     requires: str | None = None
     hint: str = ""
 
-    def parse_options(self, options: Mapping[str, Any] | str | BackendOptions | None) -> BackendOptions:
+    def parse_options(self, options: Mapping[str, Any] | str | BackendOptions | None) -> OptionsT:
         """The options as an instance of `self.options`; errors name this backend and the option."""
         if isinstance(options, self.options):
             return options
+        if isinstance(options, BackendOptions):
+            raise TypeError(f"{self.name} options must be {self.options.__name__}, got {type(options).__name__}")
         try:
-            return self.options.parse(options)  # type: ignore[arg-type]
+            return self.options.parse(options)
         except (TypeError, ValueError) as err:
             raise type(err)(f"{self.name} {err}") from None
 

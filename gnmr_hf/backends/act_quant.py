@@ -196,8 +196,8 @@ class _SavesActivations(RecoverableUnit):
 
     options: ActQuantOptions
 
-    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
-        options: ActQuantOptions = ctx.options  # type: ignore[assignment]
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext[ActQuantOptions]) -> None:
+        options = ctx.options
         self.low_bits, self.high_bits = options.low_bits, options.high_bits
         self.fault_scale, self.fault_stride = 1.0, 1
         self._max_extra = 0
@@ -545,8 +545,8 @@ def _is_attention(module: nn.Module) -> bool:
     )
 
 
-def _act_quant_unit(module: nn.Module, ctx: DispatchContext) -> type[RecoverableUnit] | None:
-    kinds = ctx.options.kinds  # type: ignore[attr-defined]
+def _act_quant_unit(module: nn.Module, ctx: DispatchContext[ActQuantOptions]) -> type[RecoverableUnit] | None:
+    kinds = ctx.options.kinds
     if "attention" in kinds and _is_attention(module):
         return ActQuantAttentionUnit
     if "linear" in kinds and isinstance(module, nn.Linear):

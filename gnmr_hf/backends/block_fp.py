@@ -160,8 +160,8 @@ class BlockFPUnit(SwitchedUnit):
 
     options: BlockFPOptions
 
-    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
-        options: BlockFPOptions = ctx.options  # type: ignore[assignment]
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext[BlockFPOptions]) -> None:
+        options = ctx.options
         self.low = GemmFormat(options.low_format, options.scaling)
         self.high = GemmFormat(options.high_format, options.scaling)
         super().__init__(name, module, ctx)
@@ -190,11 +190,11 @@ def _output_head(ctx: DispatchContext) -> nn.Module | None:
     return head if head is not None else dict(ctx.model.named_modules()).get("lm_head")
 
 
-def _block_fp_unit(module: nn.Module, ctx: DispatchContext) -> type[RecoverableUnit] | None:
+def _block_fp_unit(module: nn.Module, ctx: DispatchContext[BlockFPOptions]) -> type[RecoverableUnit] | None:
     """Every `nn.Linear`, the output head only with `quantize_lm_head=True`."""
     if not isinstance(module, nn.Linear):
         return None
-    if not ctx.options.quantize_lm_head and module is ctx.once(_output_head):  # type: ignore[attr-defined]
+    if not ctx.options.quantize_lm_head and module is ctx.once(_output_head):
         return None
     return BlockFPUnit
 

@@ -284,11 +284,11 @@ def _checkpoint(ctx: DispatchContext) -> tuple[CheckpointSource | None, str]:
 
 
 def _recovery_source(
-    ctx: DispatchContext, weight_kind: str, name: str, module: nn.Module, matches: Callable[..., bool]
+    ctx: DispatchContext[BnbOptions], weight_kind: str, name: str, module: nn.Module, matches: Callable[..., bool]
 ) -> CheckpointSource | None:
     """The checkpoint to read `module`'s BF16 weight from, or None for dequantize (the `source` option resolved as
     docs/backends.md says). Logs each source chosen once per `find_units` call."""
-    source = ctx.options.source  # type: ignore[attr-defined]
+    source = ctx.options.source
     checkpoint: CheckpointSource | None = None
     if source != "dequantize":
         checkpoint, problem = ctx.once(_checkpoint)
