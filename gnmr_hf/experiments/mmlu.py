@@ -152,14 +152,12 @@ def write_mmlu_tasks(folder: str | os.PathLike[str], data_dir: str | os.PathLike
 
 # lm-eval's lm_eval/tasks/mmlu/default/_default_template_yaml, field for field, but for the data source and the
 # few-shot split: the test split itself (lm-eval's first_n sampler then leaves the evaluated question out).
-_TEMPLATE = """\
-dataset_path: json
-test_split: test
-fewshot_split: test
-fewshot_config:
-  sampler: first_n
-output_type: multiple_choice
-doc_to_text: "{{question.strip()}}\\nA. {{choices[0]}}\\nB. {{choices[1]}}\\nC. {{choices[2]}}\\nD. {{choices[3]}}\\nAnswer:"
+_TEMPLATE = (
+    "dataset_path: json\ntest_split: test\nfewshot_split: test\nfewshot_config:\n  sampler: first_n\n"
+    "output_type: multiple_choice\n"
+    'doc_to_text: "{{question.strip()}}\\nA. {{choices[0]}}\\nB. {{choices[1]}}\\nC. {{choices[2]}}\\nD. '
+    '{{choices[3]}}\\nAnswer:"\n'
+    """\
 doc_to_choice: ["A", "B", "C", "D"]
 doc_to_target: answer
 metric_list:
@@ -169,3 +167,4 @@ metric_list:
 metadata:
   version: 1.0
 """
+)
