@@ -109,7 +109,7 @@ def test_report_command_rejects_bad_traces_with_a_clear_error(tmp_path, capsys, 
 
 def test_cli_without_a_command_prints_usage_and_fails(capsys):
     assert main([]) == 2
-    assert "usage: gnmr-hf" in capsys.readouterr().out
+    assert "usage: gnmr-hf" in capsys.readouterr().err
 
 
 def test_a_last_line_cut_off_mid_write_is_dropped_with_a_warning(tmp_path, capsys, caplog):
