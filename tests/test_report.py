@@ -164,7 +164,7 @@ def test_skipped_steps_are_counted_apart_from_observed_ones(tmp_path):
     assert "skipped by the fp16 loss scaler" in summary.format()
 
 
-def _plotted_figures(monkeypatch, trace: Path, out: Path) -> list:
+def _plotted_figures(monkeypatch, trace, out) -> list:
     import matplotlib.pyplot as plt
 
     figures = []
