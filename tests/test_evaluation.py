@@ -388,7 +388,7 @@ def test_clear_errors_for_a_missing_model_and_an_adapter_without_base(tmp_path, 
     with pytest.raises(FileNotFoundError, match=r"adapter=.*no adapter_config.json"):
         resolve_model_source(str(tiny_dir), tmp_path)
     with pytest.raises(OSError, match=r"model='gnmr-test/no-such-model' could not be loaded.*HF_HUB_OFFLINE"):
-        load_model(resolve_model_source("gnmr-test/no-such-model"))
+        load_model(resolve_model_source("gnmr-test/no-such-model"), offline=offline_reason())
 
 
 def test_cli_reports_errors_with_the_flag(tmp_path, capsys):
@@ -397,6 +397,26 @@ def test_cli_reports_errors_with_the_flag(tmp_path, capsys):
     assert "no such folder" in capsys.readouterr().err
     assert main(["--adapter", str(tmp_path), "--output_dir", str(tmp_path)]) == 2
     assert "needs a base model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--output_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr().err
+        == "error: --model is required (or --compare DIR ... to compare finished evaluations)\n"
+    )
+
+
+def test_a_hub_model_offline_fails_at_once_and_load_in_8bit_is_a_bare_flag(adapter_run, tmp_path):
+    # A clean environment: the Hub is unreachable (nothing listens on port 9), no offline variable is set.
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=str(ROOT))
+    command = [sys.executable, str(ROOT / "recipes" / "evaluate.py"), "--model", "meta-llama/Llama-2-13b-hf"]
+    command += ["--adapter", str(adapter_run), "--load_in_8bit", "--output_dir", str(tmp_path / "eval")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: model='meta-llama/Llama-2-13b-hf' is neither a local folder nor in the HF cache")
+    assert "lm_eval" not in done.stderr  # refused before the task index is built
 
 
 def test_cli_runs_end_to_end(tiny_dir, user_tasks, tmp_path):

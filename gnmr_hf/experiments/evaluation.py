@@ -241,15 +241,19 @@ def _with_adapter(base: str, adapter: str | None) -> ModelSource:
     return ModelSource(base=base, adapter=adapter, tokenizer=adapter if has_tokenizer else base)
 
 
-def load_model(source: ModelSource, *, load_in_8bit: bool = False, device: str = "cpu") -> tuple[Any, Any]:
+def load_model(
+    source: ModelSource, *, load_in_8bit: bool = False, device: str = "cpu", offline: str | None = None
+) -> tuple[Any, Any]:
     """Load `source` as (model, tokenizer): the base with `dtype="auto"` (as HFLM does), then the adapter.
 
     `load_in_8bit` quantizes the base with `BitsAndBytesConfig(load_in_8bit=True)` on `device`
-    (bitsandbytes >= 0.45 runs 8-bit matmuls on CPU too).
+    (bitsandbytes >= 0.45 runs 8-bit matmuls on CPU too). `offline`: why the Hub is out of reach (from
+    `offline_reason`), or None; when set, only local files and the HF cache are read, so a Hub name that is not
+    cached fails at once instead of after a minute of connection retries.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    kwargs: dict[str, Any] = {"dtype": "auto", "device_map": device}
+    kwargs: dict[str, Any] = {"dtype": "auto", "device_map": device, "local_files_only": offline is not None}
     if load_in_8bit:
         import torch
 
@@ -260,8 +264,11 @@ def load_model(source: ModelSource, *, load_in_8bit: bool = False, device: str =
     try:
         model = AutoModelForCausalLM.from_pretrained(source.base, **kwargs)
     except OSError as err:
-        reason = offline_reason()
-        where = f"; the Hub is out of reach ({reason})" if reason else ""
+        where = (
+            f"; the Hub is out of reach ({offline}), so only local folders and the HF cache were tried"
+            if offline
+            else ""
+        )
         raise OSError(
             f"model={source.base!r} could not be loaded as a local folder or Hub model{where}: {err}"
         ) from err
@@ -269,7 +276,19 @@ def load_model(source: ModelSource, *, load_in_8bit: bool = False, device: str =
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, source.adapter)
-    return model.eval(), AutoTokenizer.from_pretrained(source.tokenizer)
+    return model.eval(), AutoTokenizer.from_pretrained(source.tokenizer, local_files_only=offline is not None)
+
+
+def _check_cached(base: str, offline: str) -> None:
+    """Offline, a base model named by its Hub id must be in the HF cache: say so now, not after the task index."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if Path(base).is_dir() or isinstance(try_to_load_from_cache(base, "config.json"), str):
+        return
+    raise OSError(
+        f"model={base!r} is neither a local folder nor in the HF cache, and the Hub is out of reach ({offline}): "
+        "download it where the Hub is reachable (`hf download " + base + "`), or pass a local folder"
+    )
 
 
 def evaluate_model(
@@ -329,8 +348,12 @@ def evaluate_model(
             "it and apply the adapter (peft.PeftModel.from_pretrained) before calling evaluate_model"
         )
 
+    # Checked once: it decides the tasks and, for a model given by name, whether the Hub is tried at all.
+    hub_offline = offline_reason() if offline_tasks is None or source is not None else None
+    if hub_offline and source is not None:
+        _check_cached(source.base, hub_offline)
     if offline_tasks is None:
-        reason = offline_reason()
+        reason = hub_offline
     else:
         reason = "offline_tasks=True" if offline_tasks else None
     plan = {name: LOCAL_TASKS.get(name, name) if reason else name for name in task_list}
@@ -352,7 +375,9 @@ def evaluate_model(
         _check_known(list(plan.values()), task_manager)
         if source is not None:
             device = device or _default_device()
-            hf_model, loaded_tokenizer = load_model(source, load_in_8bit=load_in_8bit, device=device)
+            hf_model, loaded_tokenizer = load_model(
+                source, load_in_8bit=load_in_8bit, device=device, offline=hub_offline
+            )
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:
             hf_model = model
