@@ -175,7 +175,7 @@ def _plotted_figures(monkeypatch, trace, out) -> list:
 
 def test_the_scores_plot_is_not_empty_when_nothing_entered_recovery(tmp_path, monkeypatch):
     quiet = [decision(1, [], top=((0, 0.2), (1, 0.1))), decision(2, [], top=((0, 0.6), (1, 0.3)))]
-    heatmap, scores = _plotted_figures(monkeypatch, write_trace(tmp_path / "t.jsonl", quiet), tmp_path)
+    _, scores = _plotted_figures(monkeypatch, write_trace(tmp_path / "t.jsonl", quiet), tmp_path)
     (ax,) = scores.axes
     assert len(ax.get_lines()) > 1  # the units' risks beside the threshold line
     assert ax.get_title().startswith("No unit was risky")
