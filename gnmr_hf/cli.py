@@ -1,17 +1,95 @@
-"""The `gnmr-hf` command: `gnmr-hf demo` runs the tiny offline fine-tune, `gnmr-hf report TRACE` summarizes one."""
+"""The `gnmr-hf` command: `gnmr-hf demo` runs the tiny offline fine-tune, `gnmr-hf report TRACE` summarizes one.
+
+Also the command-line conventions every entry point here and in recipes/ shares: a user's mistake on the command
+line (a bad value, an unknown backend option) prints one line, `error: <message naming the flag>`, and exits 2,
+before any heavy import; a traceback means a bug. Only the libraries a command needs are imported, after its flags
+are checked, so `--help` and errors are quick and come without other libraries' import-time messages.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
 
-__all__ = ["main"]
+__all__ = ["check_backend_options", "fail", "main", "one_line_errors", "parse_or_fail", "quiet_unused_imports"]
+
+# Loggers that speak while transformers imports torchao (it does whenever torchao is installed, for its quantizer
+# registry): CUDA kernels that fail to load on a CPU machine, enum registrations torch calls deprecated. None of it
+# concerns a run whose backend is not torchao's.
+_TORCHAO_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+
+# The demo's backends (`gnmr_hf.experiments.demo.DEMO_LOADERS` has a model loader for each); here as names so that
+# parsing the demo's flags imports no model code.
+DEMO_BACKENDS = ("bnb_int8", "bnb_4bit")
+
+COMMANDS = {
+    "demo": "run the tiny offline GNMR LoRA fine-tune (INT8 <-> BF16; --backend bnb_4bit: NF4 <-> BF16) and print "
+    "its report",
+    "report": "summarize a GNMR decision trace and write its plots",
+}
+
+
+def fail(message: str) -> NoReturn:
+    """A user error: one line on stderr, exit status 2 (argparse's status for a usage error)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser`, reporting its own errors (unknown flag, bad type, missing value) with `fail`: argparse's usage
+    block is as long as the flag list (640 lines beside `TrainingArguments`) and hides the one line that matters."""
+    parser.error = fail  # type: ignore[method-assign]
+    return parser
+
+
+def parse_or_fail(parser: Any, argv: Sequence[str] | None) -> tuple[Any, ...]:
+    """`parser.parse_args_into_dataclasses(argv)` (an `HfArgumentParser`), with the dataclasses' validation errors
+    (`__post_init__` raises ValueError or TypeError naming the field) reported by `fail`."""
+    one_line_errors(parser)
+    try:
+        return tuple(parser.parse_args_into_dataclasses(args=None if argv is None else list(argv)))
+    except (ValueError, TypeError) as err:
+        fail(str(err))
+
+
+def check_backend_options(config: Any) -> None:
+    """Validate `config.backend_options` with the backend's own options class, so that a bad option stops the
+    command before any model is loaded. The one place the CLIs ask a backend to parse its options."""
+    from .units import get_backend
+
+    try:
+        get_backend(config.backend).parse_options(config.backend_options)
+    except (ValueError, TypeError) as err:
+        fail(f"--backend_options: {err}")
+
+
+@contextlib.contextmanager
+def quiet_unused_imports(backend: str) -> Iterator[None]:
+    """Around the heavy imports of a command: hush torchao's import-time messages unless the backend is torchao's
+    (then they may matter), so that the command's own output is what the user reads first."""
+    if backend == "torchao_float8":
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in _TORCHAO_IMPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def _report(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="gnmr-hf report", description="Summarize a GNMR trace and plot it.")
+    parser = one_line_errors(
+        argparse.ArgumentParser(prog="gnmr-hf report", description="Summarize a GNMR trace and plot it.")
+    )
     parser.add_argument("trace", help="A gnmr_trace.jsonl written by GNMRCallback.")
     parser.add_argument("--out", default=None, help="Folder for the PNG plots (default: next to the trace).")
     parser.add_argument("--top", type=int, default=8, help="How many units to list and plot.")
@@ -19,13 +97,13 @@ def _report(argv: Sequence[str]) -> int:
     parser.add_argument("--json", action="store_true", help="Print the summary as JSON.")
     args = parser.parse_args(argv)
     if args.top < 1:
-        parser.error(f"--top must be >= 1, got {args.top}")
+        fail(f"--top must be >= 1, got {args.top}")
     from .report import report
 
     try:
         summary, paths = report(args.trace, args.out, plots=not args.no_plots, top_k=args.top)
     except (FileNotFoundError, ValueError) as err:
-        print(f"gnmr-hf report: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(summary.as_dict(args.top), indent=2) if args.json else summary.format(args.top))
     for path in paths:
@@ -33,20 +111,93 @@ def _report(argv: Sequence[str]) -> int:
     return 0
 
 
+def _demo_parser() -> Any:
+    from transformers import HfArgumentParser
+
+    from .config import GNMRConfig
+
+    parser = HfArgumentParser(
+        GNMRConfig,
+        prog="gnmr-hf demo",
+        description="A tiny GNMR LoRA fine-tune of an 8-bit (or 4-bit) LLaMA on CPU, offline, end to end, with one "
+        "injected gradient spike for GNMR to catch (docstring of gnmr_hf.experiments.demo).",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--output_dir", default="runs/demo", help="Where the model, trace, plots go.")
+    parser.add_argument("--max_steps", type=int, default=40, help="Optimizer steps to train.")
+    parser.add_argument("--spike_step", type=int, default=20, help="Optimizer step of the injected spike (0 = none).")
+    parser.add_argument(
+        "--spike_factor", type=float, default=100.0, help="The spike multiplies that unit's gradient by this."
+    )
+    parser.add_argument(
+        "--spike_module", default="model.layers.1.mlp.down_proj", help="The unit whose gradient is spiked."
+    )
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the model, the data and the LoRA weights.")
+    for action in parser._actions:
+        if action.dest == "backend":
+            # The demo loads its own model, so it can only run the backends it has a loader for.
+            action.choices = DEMO_BACKENDS
+            action.help = f"The model's quantization and GNMR's backend together: one of {', '.join(DEMO_BACKENDS)}."
+    parser.set_defaults(max_active=2, lock_steps=4, window=4, min_history=4)
+    return parser
+
+
+def _demo(argv: Sequence[str]) -> int:
+    gnmr, extra = parse_or_fail(_demo_parser(), argv)
+    check_backend_options(gnmr)
+    for flag, value, minimum in (("--max_steps", extra.max_steps, 1), ("--spike_step", extra.spike_step, 0)):
+        if value < minimum:
+            fail(f"{flag} must be >= {minimum}, got {value}")
+    print(
+        f"gnmr-hf demo: {gnmr.backend} LoRA fine-tune, {extra.max_steps} steps, spike "
+        + (
+            f"x{extra.spike_factor:g} on {extra.spike_module} at step {extra.spike_step}"
+            if extra.spike_step
+            else "off"
+        )
+        + f"; output in {extra.output_dir}",
+        flush=True,
+    )
+    with quiet_unused_imports(gnmr.backend):
+        from .experiments.demo import run_demo
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    result = run_demo(
+        extra.output_dir,
+        max_steps=extra.max_steps,
+        gnmr=gnmr,
+        spike_module=extra.spike_module,
+        spike_step=extra.spike_step,
+        spike_factor=extra.spike_factor,
+        seed=extra.seed,
+    )
+    # The callback has logged the summary at the end of training; the same report can be rebuilt any time
+    # from the trace with `gnmr-hf report TRACE`.
+    print(f"trace: {result['trace']}")
+    for path in result["plots"]:
+        print(f"plot:  {path}")
+    return 0
+
+
+def _usage() -> str:
+    lines = [f"usage: gnmr-hf {{{','.join(COMMANDS)}}} [options]", ""]
+    lines += [f"  {name:<7} {text}" for name, text in COMMANDS.items()]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"report": _report, "demo": None}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: gnmr-hf {demo,report} [options]\n")
-        print("  demo    run the tiny offline GNMR LoRA fine-tune (INT8 <-> BF16; --backend bnb_4bit: NF4 <-> BF16)")
-        print("          and print its report")
-        print("  report  summarize a GNMR decision trace and write its plots")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    if argv[0] == "demo":
-        from .experiments.demo import main as demo_main
-
-        return demo_main(argv[1:])
-    return _report(argv[1:])
+    if argv and argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if not argv:
+        print(_usage(), file=sys.stderr)
+        return 2
+    if argv[0] not in COMMANDS:
+        print(f"error: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)}\n", file=sys.stderr)
+        print(_usage(), file=sys.stderr)
+        return 2
+    return _demo(argv[1:]) if argv[0] == "demo" else _report(argv[1:])
 
 
 if __name__ == "__main__":

@@ -128,8 +128,13 @@ class TraceWriter:
 def _records(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
     """(record, line) for each line of a trace, newline-terminated. A last line that is not valid JSON is what a
     process killed mid-write leaves: it is dropped with a warning. Any other bad line is an error."""
-    with path.open() as f:
-        lines = f.readlines()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"read_trace: {path} is not a text file, so not a gnmr-hf trace (JSON lines): {err}"
+        ) from None
+    lines = text.splitlines(keepends=True)
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -141,10 +146,23 @@ def _records(path: Path) -> Iterator[tuple[dict[str, Any], str]]:
                     "GNMR trace %s: dropped its last line, cut off mid-write (%d characters): %s", path, len(line), err
                 )
                 return
+            if _is_one_json_document(text):
+                raise ValueError(
+                    f"read_trace: {path} is one JSON document (gnmr_summary.json?), not a gnmr-hf trace: a trace "
+                    "has one JSON object per line, starting with a header (gnmr_trace.jsonl)"
+                ) from None
             raise ValueError(f"read_trace: {path}:{lineno} is not JSON: {err}") from None
         if not isinstance(record, dict):
             raise ValueError(f"read_trace: {path}:{lineno} is not a JSON object")
         yield record, line if line.endswith("\n") else line + "\n"
+
+
+def _is_one_json_document(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:

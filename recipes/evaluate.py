@@ -8,8 +8,10 @@
 
 `--model` is a model folder, a Hub name, or a fine-tune's output_dir (a peft adapter folder, or a folder with a
 gnmr_run.json naming base model and adapter). Offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE, or the Hub out of
-reach), or with `--offline_tasks`, the local look-alike tasks run in place of mmlu and hellaswag, and the log and
-results.json say so; `--real_tasks` insists on the real ones (from the HF datasets cache).
+reach), or with `--offline_tasks`, mmlu runs MMLU's real test questions from a checksummed local copy (k-shot examples
+from the same subject's test questions, never the question itself; see gnmr_hf.experiments.mmlu) and hellaswag a
+local look-alike, and the log and results.json say so; `--real_tasks` insists on lm-eval's own tasks (from the HF
+datasets cache). Offline, a model named by its Hub id must be in the HF cache: that is checked first, in a second.
 `--perplexity_file heldout.txt` adds perplexity on held-out text. Each evaluation writes results.json (lm-eval's
 own results dict plus what ran) and results.md; `--compare` writes comparison.md and comparison.json. The work is
 done by `gnmr_hf.experiments.evaluation`; this script only parses the flags.
@@ -80,14 +82,19 @@ class EvaluateArguments:
 def main(argv: Sequence[str] | None = None) -> int:
     from transformers import HfArgumentParser
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser = HfArgumentParser(EvaluateArguments, description=__doc__.split("\n\n")[0])
-    try:
-        (args,) = parser.parse_args_into_dataclasses(args=None if argv is None else list(argv))
-    except ValueError as err:
-        parser.error(str(err))
+    from gnmr_hf.cli import parse_or_fail, quiet_unused_imports
 
-    from gnmr_hf.experiments.evaluation import compare_results, evaluate_model
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = HfArgumentParser(EvaluateArguments, description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    for action in parser._actions:
+        if action.dest == "load_in_8bit":
+            # HfArgumentParser gives an optional bool (None: "as gnmr_run.json says") no bare form; a flag should
+            # work as `--load_in_8bit` as well as `--load_in_8bit true`.
+            action.nargs, action.const = "?", True
+    (args,) = parse_or_fail(parser, argv)
+
+    with quiet_unused_imports("bnb_int8"):
+        from gnmr_hf.experiments.evaluation import compare_results, evaluate_model
 
     try:
         if args.compare is not None:
@@ -111,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             output_dir=args.output_dir,
         )
     except (FileNotFoundError, ValueError, OSError) as err:
-        print(f"evaluate.py: error: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
         return 2
     print(Path(args.output_dir, "results.md").read_text())
     meta = results["metadata"]

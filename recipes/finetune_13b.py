@@ -1,7 +1,7 @@
 """LLaMA-2 13B LoRA fine-tune, the paper's third scenario: INT8 fixed vs GNMR INT8/BF16 vs BF16.
 
     accelerate launch --config_file recipes/configs/single_gpu.yaml recipes/finetune_13b.py --arm gnmr
-    python recipes/finetune_13b.py --preset tiny --arm gnmr          # the whole recipe on CPU, offline, ~1 min
+    python recipes/finetune_13b.py --preset tiny --arm gnmr          # the whole recipe on CPU, offline, ~10 s
 
 Three arms train the same LoRA adapters (peft) on the same instruction data with the transformers `Trainer`:
 
@@ -205,19 +205,23 @@ class FinetuneArguments:
 
 def build_parser() -> HfArgumentParser:
     # No abbreviations: with three dataclasses' flags in one parser, a prefix like --lora or --max would silently
-    # pick whichever flag it happens to match.
+    # pick whichever flag it happens to match. The recipe's own flags first, GNMR's next, then the Trainer's ~640
+    # lines: `--help` shows what is particular to this recipe at the top.
     return HfArgumentParser(
-        (TrainingArguments, FinetuneArguments, GNMRConfig), description=__doc__.split("\n\n")[0], allow_abbrev=False
+        (FinetuneArguments, GNMRConfig, TrainingArguments), description=__doc__.split("\n\n")[0], allow_abbrev=False
     )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainingArguments, FinetuneArguments, GNMRConfig]:
-    """Parse the command line: the preset's defaults first, then the flags given. Errors exit with a usage line."""
+    """Parse the command line: the preset's defaults first, then the flags given. A user error exits with one line
+    (`gnmr_hf.cli.fail`)."""
+    from gnmr_hf.cli import check_backend_options, fail, one_line_errors
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = one_line_errors(build_parser())
     for flag in ("--gradient_checkpointing", "--gradient_checkpointing_kwargs"):
         if any(arg == flag or arg.startswith(flag + "=") for arg in argv):
-            parser.error(
+            fail(
                 f"{flag} is transformers' deprecated alias of --{flag[2:].replace('gradient', 'activation')}, which "
                 "this recipe's presets set and which takes precedence over it: pass that one instead"
             )
@@ -228,15 +232,24 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainingArguments, Fi
     early.add_argument("--train_file")
     known, _ = early.parse_known_args(argv)
     if known.preset not in PRESETS:
-        parser.error(f"--preset must be one of {', '.join(PRESETS)}; got {known.preset!r}")
-    defaults = {**PRESETS[known.preset], "output_dir": f"runs/finetune_{known.preset}/{known.arm}"}
+        fail(f"--preset must be one of {', '.join(PRESETS)}; got {known.preset!r}")
+    defaults = dict(PRESETS[known.preset])
+    if known.arm is not None:
+        defaults["output_dir"] = f"runs/finetune_{known.preset}/{known.arm}"
     if known.train_file:
         defaults.pop("dataset_name", None)  # a local file replaces the preset's dataset
     parser.set_defaults(**defaults)
     try:
-        training_args, finetune_args, gnmr_config = parser.parse_args_into_dataclasses(args=argv)
-    except ValueError as err:
-        parser.error(str(err))
+        finetune_args, gnmr_config, training_args = parser.parse_args_into_dataclasses(args=argv)
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        if known.preset == "13b" and "bf16" in message and not torch.cuda.is_available():
+            message = (
+                message.rstrip(".")
+                + "; the 13b preset needs a GPU with bf16: `--preset tiny` runs this recipe on a CPU, offline"
+            )
+        fail(message)
+    check_backend_options(gnmr_config)
     return training_args, finetune_args, gnmr_config
 
 

@@ -1,7 +1,7 @@
 """Pretrain a small byte-level LLaMA from scratch with saved activations at 4 bits (cheap) / 8 bits (recovery),
 arm against arm: the paper's first scenario at CPU scale.
 
-    python recipes/pretrain_actquant.py --preset tiny --output_dir runs/pretrain_tiny        # smoke test, < 1 min
+    python recipes/pretrain_actquant.py --preset tiny --output_dir runs/pt_tiny        # smoke test, about a minute
 
     python recipes/pretrain_actquant.py --output_dir runs/pretrain_attn --seeds 0 1 --learning_rate 3e-3 \\
         --backend act_quant --backend_options 'kinds=linear;attention,low_bits=4,high_bits=8' \\
@@ -18,7 +18,13 @@ Arms (`--arms`): reference (plain fp32 model, no units), static_high, static_low
 carve_first_last, carve_best, carve_named, global_z. random and carve_first_last take GNMR's average number of
 recovered units of the same seed (`--budget` overrides it), so run gnmr first; carve_best keeps on the recovery path
 the units with the largest mean oracle gap of the gnmr run (needs `--oracle_every`); carve_named the units matching
-`--carve_named` regexes (e.g. `'self_attn$'`: every attention unit).
+`--carve_named` regexes, e.g. every attention unit (they exist with `kinds=linear;attention`):
+
+    python recipes/pretrain_actquant.py --preset tiny --output_dir runs/pt_carve --arms carve_named \
+        --backend_options 'kinds=linear;attention' --carve_named 'self_attn$'
+
+Without `--arms`, every arm runs that the other flags allow: carve_best only with `--oracle_every`, carve_named only
+with `--carve_named`. The whole arm list is checked before the first arm trains.
 
 Flags: `TrainingArguments` (a preset fills every one not given: steps, batch, learning rate, warm-up, evaluation;
 AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the CPU),

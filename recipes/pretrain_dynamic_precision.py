@@ -1,7 +1,7 @@
 """Pretrain a small byte-level LLaMA from scratch with every block Linear's GEMMs (forward and backward) on
 block-scaled low-bit floats, DeepSeek-V3 style, arm against arm: the paper's second scenario at CPU scale.
 
-    python recipes/pretrain_dynamic_precision.py --preset tiny --output_dir runs/dynprec_tiny      # smoke test, ~1 min
+    python recipes/pretrain_dynamic_precision.py --preset tiny --output_dir runs/dp_tiny      # smoke test, ~1 min
 
     python recipes/pretrain_dynamic_precision.py --output_dir runs/dynprec_fp4 --seeds 0 1 --learning_rate 5e-3 \\
         --backend_options low_format=e2m1,high_format=e4m3 \\
@@ -18,6 +18,8 @@ Arms (`--arms`): reference (the plain FP32 model, no units: the 16-bit-or-better
 on `high_format`, FP8 e4m3 by default), static_low (every unit on `low_format`, FP6 e3m2 by default), gnmr,
 gnmr_relapse, random and carve_first_last (GNMR's mean budget of the same seed, so run gnmr first, or give
 `--budget`), carve_best (the units with the largest oracle gaps of the gnmr run; needs `--oracle_every`), global_z.
+Without `--arms`, every arm runs that the other flags allow (carve_best only with `--oracle_every`, carve_named only
+with `--carve_named`); the whole arm list is checked before the first arm trains.
 
 Flags: `TrainingArguments` (the preset fills every one not given: steps, batch, learning rate, warm-up, evaluation;
 AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the CPU),

@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from gnmr_hf.experiments.evaluation import (
     write_local_tasks,
     write_results,
 )
+from gnmr_hf.experiments.mmlu import MMLU_GROUP, MMLU_WHEEL, ensure_mmlu_wheel, read_mmlu
 from gnmr_hf.experiments.tiny import build_tiny_llama, char_tokenizer
 
 from trainer_utils import load_recipe
@@ -155,19 +157,25 @@ def _recipe():
 def test_local_tasks_mirror_lm_eval_own_configs(tmp_path):
     ours = write_local_tasks(tmp_path)
     real_mmlu = _read_yaml(LM_EVAL_TASKS / "mmlu" / "default" / "_default_template_yaml")
-    mmlu = _read_yaml(ours / "_gnmr_mmlu_local_template_yaml")
-    for key in ("test_split", "fewshot_split", "fewshot_config", "output_type", "doc_to_text", "doc_to_choice"):
+    mmlu = _read_yaml(ours / "_gnmr_mmlu_template_yaml")
+    for key in ("test_split", "fewshot_config", "output_type", "doc_to_text", "doc_to_choice"):
         assert mmlu[key] == real_mmlu[key], key
     assert (mmlu["doc_to_target"], mmlu["metric_list"]) == (real_mmlu["doc_to_target"], real_mmlu["metric_list"])
-    group = _read_yaml(ours / "gnmr_mmlu_local.yaml")
+    # The one difference, said in the log: no dev split in the local copy, so shots come from the test split.
+    assert (real_mmlu["fewshot_split"], mmlu["fewshot_split"]) == ("dev", "test")
+    group = _read_yaml(ours / f"{MMLU_GROUP}.yaml")
+    assert group["group_alias"] == "mmlu"
     assert (
         group["aggregate_metric_list"]
         == _read_yaml(LM_EVAL_TASKS / "mmlu" / "default" / "_mmlu.yaml")["aggregate_metric_list"]
     )
+    real_subjects = {p.stem.removeprefix("mmlu_") for p in (LM_EVAL_TASKS / "mmlu" / "default").glob("mmlu_*.yaml")}
+    assert {task.removeprefix(f"{MMLU_GROUP}_") for task in group["task"]} == real_subjects
     for subject in group["task"]:
         config = _read_yaml(ours / f"{subject}.yaml")
-        assert config["include"] == "_gnmr_mmlu_local_template_yaml"
-        assert config["description"].startswith("The following are multiple choice questions (with answers) about ")
+        real = _read_yaml(LM_EVAL_TASKS / "mmlu" / "default" / f"{subject.replace(MMLU_GROUP, 'mmlu')}.yaml")
+        assert config["include"] == "_gnmr_mmlu_template_yaml"
+        assert (config["description"], config["task_alias"]) == (real["description"], real["task_alias"])
         assert all(
             Path(f).is_absolute() and Path(f).is_file() for f in config["dataset_kwargs"]["data_files"].values()
         )
@@ -193,12 +201,46 @@ def test_local_tasks_mirror_lm_eval_own_configs(tmp_path):
     assert (perplexity["output_type"], perplexity["metric_list"]) == (wikitext["output_type"], wikitext["metric_list"])
 
 
-def test_shipped_items_follow_the_benchmark_schemas():
-    mmlu = [json.loads(line) for f in sorted(DATA_DIR.glob("mmlu_*.jsonl")) for line in f.read_text().splitlines()]
-    assert 20 <= len(mmlu) <= 40
-    for row in mmlu:
+def test_offline_mmlu_is_the_real_test_set_checked_by_checksum():
+    rows = read_mmlu()
+    assert len(rows) == 14042
+    per_subject = Counter(row["subject"] for row in rows)
+    assert len(per_subject) == 57
+    # Sizes of MMLU's test split (cais/mmlu) for a few subjects, smallest and largest.
+    assert (per_subject["abstract_algebra"], per_subject["professional_law"], per_subject["us_foreign_policy"]) == (
+        100,
+        1534,
+        100,
+    )
+    for row in rows:
         assert set(row) == {"question", "subject", "choices", "answer"}
         assert len(row["choices"]) == 4 and row["answer"] in range(4)
+    assert not any(row["question"] == "question" for row in rows)  # the 2 header rows are gone
+
+
+def test_a_tampered_mmlu_wheel_is_refused(tmp_path):
+    (tmp_path / MMLU_WHEEL).write_bytes(b"not the wheel")
+    with pytest.raises(OSError, match=r"sha256 .* is not the expected"):
+        ensure_mmlu_wheel(tmp_path)
+
+
+def test_mmlu_shots_come_from_the_same_subject_never_the_question_itself(task_manager):
+    task = task_manager.load_task_or_group([f"{MMLU_GROUP}_anatomy"])
+    (anatomy,) = [t for t in _leaves(task)]
+    docs = list(anatomy.test_docs())
+    first = docs[0]
+    shots = anatomy.sampler.sample(n=5, eval_doc=first)
+    assert first not in shots and shots == docs[1:6]
+    assert all(shot["subject"] == "anatomy" for shot in shots)
+    assert anatomy.sampler.sample(n=5, eval_doc=docs[9]) == docs[:5]
+
+
+def _leaves(tasks):
+    for value in tasks.values():
+        yield from _leaves(value) if isinstance(value, dict) else [value]
+
+
+def test_shipped_items_follow_the_benchmark_schemas():
     hellaswag = [json.loads(line) for f in DATA_DIR.glob("hellaswag_*.jsonl") for line in f.read_text().splitlines()]
     assert 20 <= len(hellaswag) <= 40
     rowan_keys = {"ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "source_id", "split", "split_type"}
@@ -211,14 +253,15 @@ def test_offline_runs_the_local_tasks_with_the_real_tasks_metric_names(baseline)
     meta = baseline["metadata"]
     assert meta["task_map"] == {**LOCAL_TASKS, USER_TASK: USER_TASK}
     assert meta["offline"] and "HF_HUB_OFFLINE" in meta["offline_reason"]
-    assert meta["num_fewshot"] == {"gnmr_mmlu_local": 5, "gnmr_hellaswag_local": 0, USER_TASK: None}
+    assert meta["num_fewshot"] == {MMLU_GROUP: 5, "gnmr_hellaswag_local": 0, USER_TASK: None}
     results = baseline["results"]
-    assert {"acc,none", "acc_stderr,none"} <= set(results["gnmr_mmlu_local"])  # the group's aggregate, as mmlu's
-    assert "gnmr_mmlu_local_world_geography" in results
+    assert {"acc,none", "acc_stderr,none"} <= set(results[MMLU_GROUP])  # the group's aggregate, as mmlu's
+    assert results[MMLU_GROUP]["alias"] == "mmlu"
+    assert len([name for name in results if name.startswith(f"{MMLU_GROUP}_")]) == 57
     assert {"acc,none", "acc_stderr,none", "acc_norm,none", "acc_norm_stderr,none"} <= set(
         results["gnmr_hellaswag_local"]
     )
-    assert baseline["n-shot"]["gnmr_mmlu_local_elementary_arithmetic"] == 5
+    assert baseline["n-shot"][f"{MMLU_GROUP}_elementary_mathematics"] == 5
 
 
 def test_numbers_are_exactly_those_of_lm_eval_simple_evaluate(baseline, tiny_dir, task_manager):
@@ -228,7 +271,7 @@ def test_numbers_are_exactly_those_of_lm_eval_simple_evaluate(baseline, tiny_dir
     lm = HFLM(pretrained=str(tiny_dir), device="cpu", batch_size=1)
     direct = {}
     # MMLU 5-shot; HellaSwag and the user task at their YAML's shots (none given: 0; the user's: 1).
-    for tasks, shots in ((["gnmr_mmlu_local"], 5), (["gnmr_hellaswag_local", USER_TASK], None)):
+    for tasks, shots in (([MMLU_GROUP], 5), (["gnmr_hellaswag_local", USER_TASK], None)):
         out = lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=shots, limit=LIMIT, task_manager=task_manager)
         direct.update(out["results"])
     assert direct == baseline["results"]
@@ -241,7 +284,7 @@ def test_user_task_from_include_path_runs_unchanged(baseline):
 
 def test_offline_tasks_false_asks_for_the_real_tasks(tiny_dir, task_manager):
     # This TaskManager indexes no built-in task, so asking for the real mmlu must fail by name.
-    with pytest.raises(ValueError, match=r"unknown task 'mmlu'.*gnmr_mmlu_local"):
+    with pytest.raises(ValueError, match=r"unknown task 'mmlu'.*gnmr_mmlu"):
         evaluate_model(str(tiny_dir), offline_tasks=False, device="cpu", task_manager=task_manager)
 
 
@@ -302,21 +345,22 @@ def test_results_files_keep_lm_eval_metric_keys(baseline, baseline_dir):
     results_json = baseline_dir / "results.json"
     saved = json.loads(results_json.read_text())
     assert saved["results"] == baseline["results"]
-    assert saved["metadata"]["tasks_run"] == ["gnmr_mmlu_local", "gnmr_hellaswag_local", USER_TASK]
+    assert saved["metadata"]["tasks_run"] == [MMLU_GROUP, "gnmr_hellaswag_local", USER_TASK]
     table = results_json.with_name("results.md").read_text()
-    assert "acc_norm" in table and "gnmr_mmlu_local" in table and "not MMLU/HellaSwag numbers" in table
+    assert "acc_norm" in table and "|mmlu " in table and "not hellaswag numbers" in table
+    assert "MMLU's real test questions (14,042 over 57 subjects)" in table
 
 
 def test_comparison_table_of_three_arms(baseline, tmp_path):
     arms = {}
     for shift, name in enumerate(("int8", "gnmr", "bf16")):
         arm = copy.deepcopy(baseline)
-        arm["results"]["gnmr_mmlu_local"]["acc,none"] = 0.25 * shift
-        arm["results"]["gnmr_mmlu_local"]["sample_len,none"] = 24  # as lm-eval reports for rolling tasks
+        arm["results"][MMLU_GROUP]["acc,none"] = 0.25 * shift
+        arm["results"][MMLU_GROUP]["sample_len,none"] = 24  # as lm-eval reports for rolling tasks
         arms[name] = write_results(arm, tmp_path / name).parent
     table = compare_results(list(arms.values()), tmp_path / "compare")
     assert table["arms"] == ["int8", "gnmr", "bf16"] and table["differ_in"] == []
-    row = next(r for r in table["rows"] if (r["task"], r["metric"]) == ("gnmr_mmlu_local", "acc,none"))
+    row = next(r for r in table["rows"] if (r["task"], r["metric"]) == (MMLU_GROUP, "acc,none"))
     assert [row["arms"][name]["value"] for name in arms] == [0.0, 0.25, 0.5]
     markdown = (tmp_path / "compare" / "comparison.md").read_text()
     assert markdown.splitlines()[0] == "| task | metric | int8 | gnmr | bf16 |"
@@ -344,7 +388,7 @@ def test_clear_errors_for_a_missing_model_and_an_adapter_without_base(tmp_path, 
     with pytest.raises(FileNotFoundError, match=r"adapter=.*no adapter_config.json"):
         resolve_model_source(str(tiny_dir), tmp_path)
     with pytest.raises(OSError, match=r"model='gnmr-test/no-such-model' could not be loaded.*HF_HUB_OFFLINE"):
-        load_model(resolve_model_source("gnmr-test/no-such-model"))
+        load_model(resolve_model_source("gnmr-test/no-such-model"), offline=offline_reason())
 
 
 def test_cli_reports_errors_with_the_flag(tmp_path, capsys):
@@ -353,6 +397,26 @@ def test_cli_reports_errors_with_the_flag(tmp_path, capsys):
     assert "no such folder" in capsys.readouterr().err
     assert main(["--adapter", str(tmp_path), "--output_dir", str(tmp_path)]) == 2
     assert "needs a base model" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--output_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr().err
+        == "error: --model is required (or --compare DIR ... to compare finished evaluations)\n"
+    )
+
+
+def test_a_hub_model_offline_fails_at_once_and_load_in_8bit_is_a_bare_flag(adapter_run, tmp_path):
+    # A clean environment: the Hub is unreachable (nothing listens on port 9), no offline variable is set.
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=str(ROOT))
+    command = [sys.executable, str(ROOT / "recipes" / "evaluate.py"), "--model", "meta-llama/Llama-2-13b-hf"]
+    command += ["--adapter", str(adapter_run), "--load_in_8bit", "--output_dir", str(tmp_path / "eval")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: model='meta-llama/Llama-2-13b-hf' is neither a local folder nor in the HF cache")
+    assert "lm_eval" not in done.stderr  # refused before the task index is built
 
 
 def test_cli_runs_end_to_end(tiny_dir, user_tasks, tmp_path):
@@ -378,17 +442,19 @@ def test_cli_runs_end_to_end(tiny_dir, user_tasks, tmp_path):
     ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "gnmr_mmlu_local in place of mmlu" in done.stderr
+    assert "mmlu ran as gnmr_mmlu: MMLU's real test questions (14,042 over 57 subjects)" in done.stderr
+    assert "ran as gnmr_mmlu" in done.stdout  # results.md, printed at the end
     saved = json.loads((out / "results.json").read_text())
-    assert saved["metadata"]["tasks_run"] == ["gnmr_mmlu_local", "gnmr_hellaswag_local", USER_TASK, PERPLEXITY_TASK]
+    assert saved["metadata"]["tasks_run"] == [MMLU_GROUP, "gnmr_hellaswag_local", USER_TASK, PERPLEXITY_TASK]
+    assert saved["results"][MMLU_GROUP]["sample_count"]["acc,none"] == 57 * 4  # every subject, --limit 4 each
     assert saved["metadata"]["limit"] == 4 and saved["n-samples"][USER_TASK]["effective"] == 4
     assert {"word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"} <= set(
         saved["results"][PERPLEXITY_TASK]
     )
-    assert (out / "lm_eval_tasks" / "gnmr_mmlu_local.yaml").is_file()
+    assert (out / "lm_eval_tasks" / f"{MMLU_GROUP}.yaml").is_file()
 
     compare = _recipe().main(
         ["--compare", str(out), str(out), "--names", "gnmr", "bf16", "--output_dir", str(tmp_path)]
     )
     assert compare == 0
-    assert "| gnmr_mmlu_local | acc,none |" in (tmp_path / "comparison.md").read_text()
+    assert f"| {MMLU_GROUP} | acc,none |" in (tmp_path / "comparison.md").read_text()

@@ -153,3 +153,63 @@ def test_the_tiny_preset_runs_end_to_end(tmp_path, text_dir, one_thread):
     assert len((out / "gnmr" / "seed0" / "oracle.jsonl").read_text().splitlines()) == 1 + 2
     table = (out / "results.md").read_text()
     assert table.count("\n") == 2 + 3 and (out / "loss_curves.png").is_file()
+
+
+# ------------------------------------------------------------------------------------------- the arm plan
+
+
+def _parse(*argv):
+    from gnmr_hf.experiments.pretrain import parse_recipe_arguments
+
+    return parse_recipe_arguments(["--preset", "tiny", "--output_dir", "unused", *argv], backend="act_quant")
+
+
+def test_the_default_arms_are_those_the_other_flags_allow():
+    _, pretrain, _ = _parse()
+    assert "carve_best" not in pretrain.arms and "carve_named" not in pretrain.arms
+    _, pretrain, _ = _parse("--oracle_every", "5", "--carve_named", "self_attn$")
+    assert {"carve_best", "carve_named"} <= set(pretrain.arms)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--arms", "carve_named"), "arm carve_named needs --carve_named"),
+        (("--arms", "random"), "arm random takes GNMR's budget: put gnmr before it"),
+        (("--arms", "gnmr", "carve_best"), "arm carve_best needs --oracle_every K > 0"),
+        (("--arms", "carve_named", "--carve_named", "self_attn$"), "--carve_named self_attn$ matches no unit"),
+    ],
+)
+def test_an_arm_plan_that_cannot_run_is_refused_before_the_first_arm(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        recipe().main(["--preset", "tiny", "--output_dir", str(tmp_path / "run"), *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+    assert not (tmp_path / "run").exists()  # nothing trained
+
+
+def test_results_say_when_the_gap_is_within_seed_noise():
+    from gnmr_hf.experiments.pretrain import results_table
+
+    def run(arm, seed, loss):
+        return {
+            "arm": arm,
+            "seed": seed,
+            "final_eval_loss": loss,
+            "final_eval_ppl": 1.0,
+            "sec_per_step": 0.1,
+            "saved_bytes_per_step": 0.0,
+        }
+
+    noisy = [
+        run("static_high", 0, 2.00),
+        run("static_high", 1, 2.10),
+        run("static_low", 0, 2.02),
+        run("static_low", 1, 2.11),
+        run("gnmr", 0, 2.01),
+        run("gnmr", 1, 2.10),
+    ]
+    table = results_table(noisy)
+    assert "(gap within noise)" in table and "'gap closed' is noise here" in table
+    assert "one seed its noise is unmeasured" in results_table(noisy[::2])

@@ -265,3 +265,21 @@ def test_two_processes_under_accelerate_launch_take_identical_gnmr_decisions_at_
     assert any(r["entered"] for r in records) and any(r["active"] for r in records)
     _, steps = read_trace(out / "gnmr_trace.jsonl")
     assert [s["active"] for s in steps] == [r["active"] for r in records]
+
+
+def test_help_shows_the_recipe_flags_first_and_no_none_output_dir(capsys):
+    with pytest.raises(SystemExit):
+        recipe().parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "runs/finetune_13b/None" not in text
+    assert text.index("--arm") < text.index("--max_active") < text.index("--learning_rate")
+
+
+def test_the_13b_preset_on_a_cpu_points_at_the_tiny_preset(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["--arm", "gnmr", "--model_name_or_path", "m", "--dataset_name", "d"]
+    with pytest.raises(SystemExit) as exit_info:
+        recipe().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert "bf16" in err and "`--preset tiny` runs this recipe on a CPU" in err

@@ -109,7 +109,7 @@ def test_report_command_rejects_bad_traces_with_a_clear_error(tmp_path, capsys, 
 
 def test_cli_without_a_command_prints_usage_and_fails(capsys):
     assert main([]) == 2
-    assert "usage: gnmr-hf" in capsys.readouterr().out
+    assert "usage: gnmr-hf" in capsys.readouterr().err
 
 
 def test_a_last_line_cut_off_mid_write_is_dropped_with_a_warning(tmp_path, capsys, caplog):
@@ -162,3 +162,28 @@ def test_skipped_steps_are_counted_apart_from_observed_ones(tmp_path):
     assert (summary.steps, summary.skipped_steps) == (2, 1)
     assert [(r["step"], r["t"]) for r in steps] == [(1, 1), (3, 2)]
     assert "skipped by the fp16 loss scaler" in summary.format()
+
+
+def _plotted_figures(monkeypatch, trace, out) -> list:
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert main(["report", str(trace), "--out", str(out)]) == 0
+    return figures
+
+
+def test_the_scores_plot_is_not_empty_when_nothing_entered_recovery(tmp_path, monkeypatch):
+    quiet = [decision(1, [], top=((0, 0.2), (1, 0.1))), decision(2, [], top=((0, 0.6), (1, 0.3)))]
+    _, scores = _plotted_figures(monkeypatch, write_trace(tmp_path / "t.jsonl", quiet), tmp_path)
+    (ax,) = scores.axes
+    assert len(ax.get_lines()) > 1  # the units' risks beside the threshold line
+    assert ax.get_title().startswith("No unit was risky")
+    assert len(ax.get_yticks()) >= 5
+
+
+def test_the_recovery_heatmap_has_a_legend_for_recovery_and_a_y_label(tmp_path, monkeypatch):
+    heatmap, _ = _plotted_figures(monkeypatch, write_trace(tmp_path / "t.jsonl", STREAM), tmp_path)
+    (ax,) = heatmap.axes
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert labels[0] == "in recovery (high-fidelity path)" and ax.get_ylabel() == "unit"

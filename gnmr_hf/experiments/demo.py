@@ -29,7 +29,7 @@ from ..config import GNMRConfig
 from ..units import display_name
 from .tiny import build_tiny_llama, load_4bit_lora, load_int8_lora, write_local_text
 
-__all__ = ["DEMO_LOADERS", "GradientSpikeCallback", "byte_dataset", "main", "run_demo"]
+__all__ = ["DEMO_LOADERS", "GradientSpikeCallback", "byte_dataset", "run_demo"]
 
 logger = logging.getLogger("gnmr_hf")
 
@@ -140,42 +140,3 @@ def run_demo(
     trace = output_dir / gnmr.trace_file
     summary, plot_paths = report(trace, output_dir, plots=plots)
     return {"trainer": trainer, "callback": callback, "summary": summary, "plots": plot_paths, "trace": trace}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(
-        GNMRConfig,
-        prog="gnmr-hf demo",
-        description=__doc__.split("\n\n")[0],
-        epilog=f"--backend picks the model's quantization and the GNMR backend together: one of {list(DEMO_LOADERS)} "
-        "(default bnb_int8).",
-    )
-    parser.add_argument("--output_dir", default="runs/demo", help="Where the model, trace, plots go.")
-    parser.add_argument("--max_steps", type=int, default=40)
-    parser.add_argument("--spike_step", type=int, default=20, help="Optimizer step of the injected spike (0 = none).")
-    parser.add_argument("--spike_factor", type=float, default=100.0)
-    parser.add_argument("--spike_module", default="model.layers.1.mlp.down_proj")
-    parser.add_argument("--seed", type=int, default=0)
-    defaults = dict(max_active=2, lock_steps=4, window=4, min_history=4)
-    parser.set_defaults(**defaults)
-    (gnmr, extra) = parser.parse_args_into_dataclasses(args=argv)
-    if gnmr.backend not in DEMO_LOADERS:
-        parser.error(f"--backend must be one of {list(DEMO_LOADERS)} for the demo, got {gnmr.backend!r}")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    result = run_demo(
-        extra.output_dir,
-        max_steps=extra.max_steps,
-        gnmr=gnmr,
-        spike_module=extra.spike_module,
-        spike_step=extra.spike_step,
-        spike_factor=extra.spike_factor,
-        seed=extra.seed,
-    )
-    # The callback has logged the summary at the end of training; the same report can be rebuilt any time
-    # from the trace with `gnmr-hf report TRACE`.
-    print(f"trace: {result['trace']}")
-    for path in result["plots"]:
-        print(f"plot:  {path}")
-    return 0

@@ -8,11 +8,13 @@ definitions in lm-eval's YAML format. This module only decides what to hand it, 
   a `gnmr_run.json` (`{"base_model": ..., "adapter": ...}`); optionally in 8-bit (bitsandbytes). We load it
   ourselves and give HFLM the loaded model, because HFLM's own loader cannot take a `BitsAndBytesConfig`.
 - **the tasks**: MMLU 5-shot (`acc`) and HellaSwag 0-shot (`acc`, `acc_norm`) by default. When the Hub cannot be
-  reached (see `offline_reason`), or when asked (`offline_tasks=True`), `mmlu` and `hellaswag` are replaced by
-  small look-alikes shipped in `gnmr_hf/experiments/data/eval/`: the same prompt, choices, few-shot split and
-  metrics as
-  lm-eval's own configs, on items written for this project. Their numbers test the pipeline, they are not MMLU
-  or HellaSwag numbers, so the log and `results.json` say which tasks really ran.
+  reached (see `offline_reason`), or when asked (`offline_tasks=True`):
+  - `mmlu` runs `gnmr_mmlu`: MMLU's real test set (14,042 questions, 57 subjects) from a checksummed local copy
+    (`gnmr_hf.experiments.mmlu`), with lm-eval's prompt and metric; only the k-shot examples differ (the same
+    subject's first test questions, never the question itself, as MMLU's dev split is not in that copy);
+  - `hellaswag` runs `gnmr_hellaswag_local`, a look-alike shipped in `gnmr_hf/experiments/data/eval/`: lm-eval's
+    prompt, choices and metrics on items written for this project, so its numbers are not HellaSwag numbers.
+  The log and `results.json` say which tasks really ran.
 - **perplexity**: the `gnmr_perplexity` task scores held-out text with lm-eval's `loglikelihood_rolling`, as its
   `wikitext` task does (word_perplexity, byte_perplexity, bits_per_byte). We do not use
   `evaluate.load("perplexity")`: that metric is a script on the Hub, so offline it fails with
@@ -43,6 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from .mmlu import MMLU_GROUP, write_mmlu_tasks
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
@@ -68,12 +72,21 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TASKS = ("mmlu", "hellaswag")
 # The real task each local look-alike stands in for when the Hub is out of reach.
-LOCAL_TASKS = {"mmlu": "gnmr_mmlu_local", "hellaswag": "gnmr_hellaswag_local"}
+LOCAL_TASKS = {"mmlu": MMLU_GROUP, "hellaswag": "gnmr_hellaswag_local"}
+# Of those, the ones that are only look-alikes (their items were written for this project).
+LOOK_ALIKES = ("gnmr_hellaswag_local",)
 # The shots these benchmarks are reported with (MMLU 5-shot, HellaSwag 0-shot); `num_fewshot` overrides them.
-DEFAULT_NUM_FEWSHOT = {"mmlu": 5, "gnmr_mmlu_local": 5, "hellaswag": 0, "gnmr_hellaswag_local": 0}
+DEFAULT_NUM_FEWSHOT = {"mmlu": 5, MMLU_GROUP: 5, "hellaswag": 0, "gnmr_hellaswag_local": 0}
 PERPLEXITY_TASK = "gnmr_perplexity"
 # What a fine-tune recipe writes into its output_dir to say which base model its adapter belongs to.
 RUN_FILE = "gnmr_run.json"
+
+# What an offline `mmlu` is, said once for the log and results.md.
+MMLU_NOTE = (
+    f"mmlu ran as {MMLU_GROUP}: MMLU's real test questions (14,042 over 57 subjects) from a local copy "
+    "(gnmr_hf.experiments.mmlu), lm-eval's prompt and acc metric; k-shot examples are the same subject's first test "
+    "questions, never the question itself (lm-eval's mmlu takes them from the dev split, which the copy lacks)."
+)
 
 DATA_DIR = Path(__file__).parent / "data" / "eval"
 DEFAULT_HELDOUT_FILE = DATA_DIR / "heldout.txt"
@@ -106,10 +119,11 @@ def offline_reason(timeout: float = 3.0) -> str | None:
     return None
 
 
-def write_local_tasks(folder: str | Path, perplexity_file: str | Path | None = None) -> Path:
+def write_local_tasks(folder: str | Path, perplexity_file: str | Path | None = None, *, mmlu: bool = True) -> Path:
     """Write the local task YAMLs, with absolute data paths, into `folder`; return it for `include_path`.
 
-    Tasks: `gnmr_mmlu_local` (a group of three subjects), `gnmr_hellaswag_local` and `gnmr_perplexity` over
+    Tasks: `gnmr_mmlu` (MMLU's real test set, one task per subject; `mmlu=False` skips it, as it needs the
+    cached or downloadable copy of `gnmr_hf.experiments.mmlu`), `gnmr_hellaswag_local` and `gnmr_perplexity` over
     `perplexity_file` (plain text, one document per paragraph) or the shipped `heldout.txt`.
     """
     heldout = Path(perplexity_file) if perplexity_file is not None else DEFAULT_HELDOUT_FILE
@@ -124,6 +138,8 @@ def write_local_tasks(folder: str | Path, perplexity_file: str | Path | None = N
     }
     for template in sorted((DATA_DIR / "tasks").iterdir()):
         (folder / template.name).write_text(string.Template(template.read_text()).substitute(values))
+    if mmlu:
+        write_mmlu_tasks(folder)
     return folder
 
 
@@ -225,15 +241,19 @@ def _with_adapter(base: str, adapter: str | None) -> ModelSource:
     return ModelSource(base=base, adapter=adapter, tokenizer=adapter if has_tokenizer else base)
 
 
-def load_model(source: ModelSource, *, load_in_8bit: bool = False, device: str = "cpu") -> tuple[Any, Any]:
+def load_model(
+    source: ModelSource, *, load_in_8bit: bool = False, device: str = "cpu", offline: str | None = None
+) -> tuple[Any, Any]:
     """Load `source` as (model, tokenizer): the base with `dtype="auto"` (as HFLM does), then the adapter.
 
     `load_in_8bit` quantizes the base with `BitsAndBytesConfig(load_in_8bit=True)` on `device`
-    (bitsandbytes >= 0.45 runs 8-bit matmuls on CPU too).
+    (bitsandbytes >= 0.45 runs 8-bit matmuls on CPU too). `offline`: why the Hub is out of reach (from
+    `offline_reason`), or None; when set, only local files and the HF cache are read, so a Hub name that is not
+    cached fails at once instead of after a minute of connection retries.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    kwargs: dict[str, Any] = {"dtype": "auto", "device_map": device}
+    kwargs: dict[str, Any] = {"dtype": "auto", "device_map": device, "local_files_only": offline is not None}
     if load_in_8bit:
         import torch
 
@@ -244,8 +264,11 @@ def load_model(source: ModelSource, *, load_in_8bit: bool = False, device: str =
     try:
         model = AutoModelForCausalLM.from_pretrained(source.base, **kwargs)
     except OSError as err:
-        reason = offline_reason()
-        where = f"; the Hub is out of reach ({reason})" if reason else ""
+        where = (
+            f"; the Hub is out of reach ({offline}), so only local folders and the HF cache were tried"
+            if offline
+            else ""
+        )
         raise OSError(
             f"model={source.base!r} could not be loaded as a local folder or Hub model{where}: {err}"
         ) from err
@@ -253,7 +276,19 @@ def load_model(source: ModelSource, *, load_in_8bit: bool = False, device: str =
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, source.adapter)
-    return model.eval(), AutoTokenizer.from_pretrained(source.tokenizer)
+    return model.eval(), AutoTokenizer.from_pretrained(source.tokenizer, local_files_only=offline is not None)
+
+
+def _check_cached(base: str, offline: str) -> None:
+    """Offline, a base model named by its Hub id must be in the HF cache: say so now, not after the task index."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if Path(base).is_dir() or isinstance(try_to_load_from_cache(base, "config.json"), str):
+        return
+    raise OSError(
+        f"model={base!r} is neither a local folder nor in the HF cache, and the Hub is out of reach ({offline}): "
+        "download it where the Hub is reachable (`hf download " + base + "`), or pass a local folder"
+    )
 
 
 def evaluate_model(
@@ -313,8 +348,12 @@ def evaluate_model(
             "it and apply the adapter (peft.PeftModel.from_pretrained) before calling evaluate_model"
         )
 
+    # Checked once: it decides the tasks and, for a model given by name, whether the Hub is tried at all.
+    hub_offline = offline_reason() if offline_tasks is None or source is not None else None
+    if hub_offline and source is not None:
+        _check_cached(source.base, hub_offline)
     if offline_tasks is None:
-        reason = offline_reason()
+        reason = hub_offline
     else:
         reason = "offline_tasks=True" if offline_tasks else None
     plan = {name: LOCAL_TASKS.get(name, name) if reason else name for name in task_list}
@@ -330,13 +369,15 @@ def evaluate_model(
         if task_manager is None:
             from lm_eval.tasks import TaskManager
 
-            write_local_tasks(local_dir, perplexity_file)
+            write_local_tasks(local_dir, perplexity_file, mmlu=MMLU_GROUP in plan.values())
             task_manager = TaskManager(include_path=[str(local_dir), *user_paths])
         # Task names are checked before the model is loaded: a typo should not cost a 13B load.
         _check_known(list(plan.values()), task_manager)
         if source is not None:
             device = device or _default_device()
-            hf_model, loaded_tokenizer = load_model(source, load_in_8bit=load_in_8bit, device=device)
+            hf_model, loaded_tokenizer = load_model(
+                source, load_in_8bit=load_in_8bit, device=device, offline=hub_offline
+            )
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:
             hf_model = model
@@ -422,14 +463,18 @@ def _paths(include_path: Any) -> list[str]:
 
 
 def _log_plan(plan: dict[str, str], reason: str | None) -> None:
-    swapped = {asked: run for asked, run in plan.items() if asked != run}
-    if swapped:
-        logger.warning(
-            "Offline (%s): running the local look-alike tasks %s. They share the real tasks' prompts and metrics "
-            "but not their items: their numbers are not MMLU/HellaSwag numbers.",
-            reason,
-            ", ".join(f"{run} in place of {asked}" for asked, run in swapped.items()),
-        )
+    for asked, run in plan.items():
+        if asked != run and run == MMLU_GROUP:
+            logger.warning("Offline (%s): %s", reason, MMLU_NOTE)
+        elif asked != run:
+            logger.warning(
+                "Offline (%s): running the local look-alike task %s in place of %s: the real task's prompt and "
+                "metrics on items written for gnmr-hf, so its numbers are not %s numbers.",
+                reason,
+                run,
+                asked,
+                asked,
+            )
     logger.info("Tasks: %s", ", ".join(plan.values()))
 
 
@@ -444,7 +489,7 @@ def _check_known(names: list[str], task_manager: TaskManager) -> None:
     for name in unknown:
         close = difflib.get_close_matches(name, sorted(known), n=5)
         hints.append(f"{name!r} (close: {', '.join(close)})" if close else repr(name))
-    local = sorted(n for n in known if n.startswith("gnmr_"))
+    local = sorted(n for n in known if n.startswith("gnmr_") and not n.startswith(f"{MMLU_GROUP}_"))
     raise ValueError(
         f"tasks: unknown task {'; '.join(hints)}. The defaults are {', '.join(DEFAULT_TASKS)}; the local tasks are "
         f"{', '.join(local) or 'not indexed'}; list all {len(known)} with `lm-eval ls tasks [--include_path DIR]`"
@@ -487,14 +532,11 @@ def write_results(results: dict[str, Any], output_dir: str | os.PathLike[str]) -
         f"- lm-eval {meta['lm_eval_version']}, transformers {meta['transformers_version']}",
         "",
     ]
-    swapped = {asked: run for asked, run in meta["task_map"].items() if asked != run}
-    if swapped:
-        lines += [
-            "Local look-alike tasks ran in place of "
-            + ", ".join(f"`{asked}` (`{run}`)" for asked, run in swapped.items())
-            + ": these are not MMLU/HellaSwag numbers.",
-            "",
-        ]
+    for asked, run in meta["task_map"].items():
+        if asked != run and run == MMLU_GROUP:
+            lines += [f"`{asked}` ran as `{run}`: {MMLU_NOTE}", ""]
+        elif asked != run:
+            lines += [f"`{asked}` ran as the local look-alike `{run}`: these are not {asked} numbers.", ""]
     lines.append(make_table(results))
     if results.get("groups"):
         lines += ["", make_table(results, "groups")]

@@ -157,8 +157,12 @@ class PretrainArguments:
     """The recipe's own arguments (beside `TrainingArguments` and `GNMRConfig`)."""
 
     preset: str = field(default="probe", metadata={"help": f"Model/data/schedule preset: {sorted(PRESETS)}."})
-    arms: list[str] = field(
-        default_factory=lambda: list(ARMS), metadata={"help": f"Arms to run, in order, from {list(ARMS)}."}
+    arms: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": f"Arms to run, in order, from {list(ARMS)}. Default: every arm the other flags allow (carve_best "
+            "with --oracle_every, carve_named with --carve_named)."
+        },
     )
     seeds: list[int] = field(default_factory=lambda: [0], metadata={"help": "Model-initialization seeds."})
     corpus: str = field(
@@ -191,6 +195,12 @@ class PretrainArguments:
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"PretrainArguments.preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        if self.arms is None:
+            self.arms = [
+                arm
+                for arm in ARMS
+                if (arm != "carve_best" or self.oracle_every > 0) and (arm != "carve_named" or self.carve_named)
+            ]
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown:
             raise ValueError(f"PretrainArguments.arms: {unknown} are not arms; choose from {list(ARMS)}")
@@ -205,6 +215,8 @@ class PretrainArguments:
             raise ValueError(f"PretrainArguments.d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
         if self.oracle_every < 0:
             raise ValueError(f"PretrainArguments.oracle_every must be >= 0, got {self.oracle_every}")
+        if "carve_named" in self.arms and not self.carve_named:
+            raise ValueError("arm carve_named needs --carve_named REGEX ... (the units it keeps on the recovery path)")
 
 
 # ------------------------------------------------------------------------------------------------ corpus
@@ -600,6 +612,7 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
     high = {r["seed"]: r["final_eval_loss"] for r in by_arm.get("static_high", [])}
     header = ["arm", "seeds", "val loss", "val ppl", "gap closed", "unit-steps recovered", "exceedance", "s/step"]
     lines = ["| " + " | ".join([*header, "saved MB/step"]) + " |", "|---" * (len(header) + 1) + "|"]
+    note, in_noise = _gap_note(low, high)
     for arm, runs in by_arm.items():
         losses = [r["final_eval_loss"] for r in runs]
         closed = [
@@ -617,7 +630,9 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
                     ",".join(str(r["seed"]) for r in runs),
                     _mean_spread(losses),
                     f"{statistics.fmean(r['final_eval_ppl'] for r in runs):.3f}",
-                    f"{statistics.fmean(closed):.0%}" if closed else "-",
+                    (f"{statistics.fmean(closed):.0%}" + (" (gap within noise)" if in_noise else ""))
+                    if closed
+                    else "-",
                     f"{statistics.fmean(recovered):.2%}" if recovered else "-",
                     f"{statistics.fmean(exceed):.3%}" if exceed else "-",
                     f"{statistics.fmean(r['sec_per_step'] for r in runs):.3f}",
@@ -626,7 +641,27 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
             )
             + " |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ([f"\n{note}"] if note else []))
+
+
+def _gap_note(low: dict[int, float], high: dict[int, float]) -> tuple[str, bool]:
+    """What the static low -> high gap is against seed-to-seed noise, and whether it is within that noise.
+
+    "gap closed" divides by the gap, so a gap no larger than the spread between seeds gives any share (116%, -5%)
+    by chance. The noise is the larger half-range across seeds of the two static arms' final losses; with one seed
+    it is unmeasured, and the table says so instead of implying a precision it does not have."""
+    seeds = sorted(set(low) & set(high))
+    if not seeds:
+        return "", False
+    gaps = [low[s] - high[s] for s in seeds]
+    gap = statistics.fmean(gaps)
+    text = f"Static low -> high gap: {gap:.4f} nats/byte (seeds {','.join(map(str, seeds))})"
+    if len(seeds) < 2:
+        return text + "; with one seed its noise is unmeasured: read 'gap closed' as indicative only.", False
+    noise = max((max(d[s] for s in seeds) - min(d[s] for s in seeds)) / 2 for d in (low, high))
+    if abs(gap) <= noise:
+        return text + f", within the seed-to-seed half-range {noise:.4f}: 'gap closed' is noise here.", True
+    return text + f", {abs(gap) / noise:.1f}x the seed-to-seed half-range {noise:.4f}." if noise else text + ".", False
 
 
 def plot_loss_curves(results: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
@@ -652,7 +687,8 @@ def plot_loss_curves(results: Sequence[dict[str, Any]], path: str | Path, title:
                     value = 0.8 * value + 0.2 * v
                     smooth.append(value)
                 mean = smooth
-            ax.plot(steps, mean, label=f"{arm} ({len(runs)} seeds)")
+            seeds = f"seed {runs[0]['seed']}" if len(runs) == 1 else f"mean of {len(runs)} seeds"
+            ax.plot(steps, mean, label=f"{arm} ({seeds})")
     ax_eval.set(xlabel="optimizer step", ylabel="validation loss (nats/byte)", title="validation")
     ax_train.set(xlabel="optimizer step", ylabel="training loss (EMA 0.8)", title="training")
     for ax in (ax_eval, ax_train):
@@ -666,6 +702,21 @@ def plot_loss_curves(results: Sequence[dict[str, Any]], path: str | Path, title:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _describe(results: Sequence[dict[str, Any]]) -> str:
+    """A plot title from what the runs share: backend and options, model, steps, learning rate, seeds."""
+    first = results[0]
+    backend = next((r["backend"] for r in results if r.get("backend")), None)
+    options = next((r["backend_options"] for r in results if r.get("backend")), None) or {}
+    model = first["model"]
+    parts = [
+        f"{backend} {','.join(f'{k}={v}' for k, v in options.items())}".strip() if backend else "reference only",
+        f"LLaMA d={model['d_model']} x{model['n_layers']} layers",
+        f"{first['max_steps']} steps, lr {first['learning_rate']:g}",
+        f"seeds {','.join(str(s) for s in sorted({r['seed'] for r in results}))}",
+    ]
+    return "; ".join(parts)
 
 
 def gnmr_budget(root: str | Path, seed: int) -> float | None:
@@ -694,12 +745,16 @@ def parse_recipe_arguments(
 ) -> tuple[TrainingArguments, PretrainArguments, GNMRConfig]:
     """`TrainingArguments`, `PretrainArguments` and `GNMRConfig` from a recipe's command line, with the recipe's
     own `defaults` for any of their fields (e.g. ``backend="block_fp"``) and the preset's schedule filling every
-    `TrainingArguments` field the command line does not give."""
+    `TrainingArguments` field the command line does not give. A user error exits with one line (`gnmr_hf.cli`)."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser((TrainingArguments, PretrainArguments, GNMRConfig))
+    from ..cli import check_backend_options, parse_or_fail
+
+    # No abbreviations: with three dataclasses' flags in one parser, a prefix would pick whichever flag it matches.
+    parser = HfArgumentParser((TrainingArguments, PretrainArguments, GNMRConfig), allow_abbrev=False)
     parser.set_defaults(**defaults)
-    base, pretrain, config = parser.parse_args_into_dataclasses(args=list(argv))
+    base, pretrain, config = parse_or_fail(parser, argv)
+    check_backend_options(config)
     given = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
     return training_arguments(base, pretrain.preset, given), pretrain, config
 
@@ -713,6 +768,7 @@ def run_comparison(
     from .baselines import best_static_units
 
     root = Path(root)
+    check_arm_plan(root, pretrain, config)
     results = []
     for seed in pretrain.seeds:
         for arm in pretrain.arms:
@@ -742,10 +798,61 @@ def run_comparison(
     return results
 
 
+def check_arm_plan(root: str | Path, pretrain: PretrainArguments, config: GNMRConfig) -> None:
+    """Everything the arm list needs, checked before the first arm trains (a failure after an hour of arms is a
+    lost hour): the budget arms and carve_best need a gnmr run of each seed, earlier in the list or already in
+    `root` (carve_best's with oracle probes), and carve_named's regexes must match some unit of this model."""
+    root = Path(root)
+    for seed in pretrain.seeds:
+        for i, arm in enumerate(pretrain.arms):
+            gnmr_first = "gnmr" in pretrain.arms[:i]
+            if arm in BUDGET_ARMS and pretrain.budget is None and not gnmr_first and gnmr_budget(root, seed) is None:
+                raise ValueError(
+                    f"arm {arm} takes GNMR's budget: put gnmr before it in --arms, run gnmr of seed {seed} into "
+                    f"{root} first, or give --budget"
+                )
+            if arm == "carve_best":
+                if gnmr_first and not pretrain.oracle_every:
+                    raise ValueError("arm carve_best needs --oracle_every K > 0 for the gnmr run it follows")
+                if not gnmr_first and oracle_mean_gaps(root, seed) is None:
+                    raise ValueError(
+                        f"arm carve_best needs the gnmr run of seed {seed} with --oracle_every in {root}: put gnmr "
+                        "before it in --arms with --oracle_every K"
+                    )
+    if "carve_named" in pretrain.arms:
+        names = unit_names(pretrain, config)
+        patterns = [re.compile(p) for p in pretrain.carve_named or ()]
+        if not any(p.search(name) for p in patterns for name in names):
+            raise ValueError(
+                f"--carve_named {' '.join(pretrain.carve_named or ())} matches no unit; with --backend "
+                f"{config.backend} --backend_options {config.backend_options or '{}'} the units are {names}"
+            )
+
+
+def unit_names(pretrain: PretrainArguments, config: GNMRConfig) -> list[str]:
+    """The names of the units `config` finds on this recipe's model (built once, then dropped)."""
+    from ..units import close_live_units, find_units
+
+    model = build_model(llama_config(pretrain.d_model, pretrain.n_layers, pretrain.n_heads, pretrain.seq_len), 0)
+    units = find_units(
+        model, config.backend, include=config.include, exclude=config.exclude, backend_options=config.backend_options
+    )
+    names = [u.name for u in units]
+    close_live_units(model)
+    return names
+
+
 def run_recipe(args: TrainingArguments, pretrain: PretrainArguments, config: GNMRConfig) -> list[dict[str, Any]]:
     """What a pretraining recipe does once its flags are parsed: load the corpus (logged with its fingerprint),
     run every arm and seed under `args.output_dir`, print the table (and write the plot), return the results."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from ..cli import fail
+
+    try:
+        check_arm_plan(args.output_dir, pretrain, config)
+    except ValueError as err:
+        fail(str(err))
+    logger.info("arms %s, seeds %s -> %s", " ".join(pretrain.arms), pretrain.seeds, args.output_dir)
     corpus = load_corpus(pretrain.corpus, pretrain.corpus_bytes)
     logger.info(
         "corpus %s: %d documents, %d training bytes, %d validation bytes (fingerprint %s); %s options %s",
@@ -771,5 +878,5 @@ def write_report(root: str | Path, *, plot: bool = True, title: str = "") -> str
     table = results_table(everything)
     (root / "results.md").write_text(table + "\n")
     if plot and everything:
-        plot_loss_curves(everything, root / "loss_curves.png", title=title or str(root))
+        plot_loss_curves(everything, root / "loss_curves.png", title=title or _describe(everything))
     return table

