@@ -60,7 +60,7 @@ def parse_or_fail(parser: Any, argv: Sequence[str] | None) -> tuple[Any, ...]:
 def check_backend_options(config: Any) -> None:
     """Validate `config.backend_options` with the backend's own options class, so that a bad option stops the
     command before any model is loaded. The one place the CLIs ask a backend to parse its options."""
-    from .units import get_backend
+    from .registry import get_backend
 
     try:
         get_backend(config.backend).parse_options(config.backend_options)

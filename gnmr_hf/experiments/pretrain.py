@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import sysconfig
 import time
@@ -831,15 +832,14 @@ def check_arm_plan(root: str | Path, pretrain: PretrainArguments, config: GNMRCo
 
 def unit_names(pretrain: PretrainArguments, config: GNMRConfig) -> list[str]:
     """The names of the units `config` finds on this recipe's model (built once, then dropped)."""
-    from ..units import close_live_units, find_units
+    from ..registry import find_units
 
     model = build_model(llama_config(pretrain.d_model, pretrain.n_layers, pretrain.n_heads, pretrain.seq_len), 0)
     units = find_units(
         model, config.backend, include=config.include, exclude=config.exclude, backend_options=config.backend_options
     )
-    names = [u.name for u in units]
-    close_live_units(model)
-    return names
+    units.close()
+    return units.names
 
 
 def run_recipe(args: TrainingArguments, pretrain: PretrainArguments, config: GNMRConfig) -> list[dict[str, Any]]:
