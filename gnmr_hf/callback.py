@@ -182,8 +182,8 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if getattr(args, "report_to", None) and not self._placed_first:
             logger.warning(
                 "GNMR: reporting integrations %s come before this callback in the Trainer's list (add_callback "
-                "appends), so they log before the gnmr/* metrics are added; the metrics still reach "
-                "state.log_history and the console. Use GNMRTrainer to have them everywhere.",
+                "appends), so they (and the console) log before the gnmr/* metrics are added, which reach "
+                "state.log_history only. Use GNMRTrainer to have them everywhere.",
                 list(args.report_to),
             )
         self._warmup_check_step = self.controller.step if self.controller.step >= cfg.min_history + cfg.window else 0

@@ -57,7 +57,6 @@ from gnmr_hf import GNMRConfig
 logger = logging.getLogger("gnmr_hf.recipes.finetune_13b")
 
 ARMS = ("int8", "gnmr", "bf16")
-RUN_FILE = "gnmr_run.json"  # read by gnmr_hf.experiments.evaluation.resolve_model_source
 AGREEMENT_FILE = "gnmr_rank_agreement.jsonl"
 ALL_LINEAR = "all-linear"
 TINY_BASE = "base_model"  # the tiny preset's model folder, inside output_dir
@@ -520,6 +519,8 @@ def write_run_file(output_dir: str, args: FinetuneArguments) -> Path:
         "load_in_8bit": args.arm != "bf16",
         "preset": args.preset,
     }
+    from gnmr_hf.experiments.evaluation import RUN_FILE  # the file evaluation.resolve_model_source reads
+
     path = Path(output_dir) / RUN_FILE
     path.write_text(json.dumps(run, indent=2) + "\n")
     return path
