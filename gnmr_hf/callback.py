@@ -26,6 +26,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from .cause import UnitRelations
 from .config import GNMRConfig
 from .controller import GNMRController, HostDecision, Selection
 from .integrations.deepspeed import DeepSpeedZero
@@ -87,7 +88,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self.controller_state: dict[str, Any] | None = None
         self.summary_state: dict[str, Any] | None = None
         self.unit_names: list[str] | None = None
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self._scale_at_capture: torch.Tensor | None = None
         self._queued = False
         self._hooks: list[Any] = []
@@ -174,7 +175,15 @@ class GNMRCallback(TrainerCallback, ExportableState):
                     f"GNMRCallback: selection {self.selection.name!r} does not resume; start the run anew"
                 )
             self.selection.bind(names, self.signals.device)
-        self.controller = GNMRController(cfg, len(self.units), self.signals.device, selection=self.selection)
+        relations = None
+        if cfg.policy == "cause" and self.selection is None:
+            # The cause policy reads what each unit's cheap path loses: the units measure it from now on.
+            for unit in self.units:
+                unit.start_measuring()
+            relations = UnitRelations.from_names(names, [_kind(u) for u in self.units])
+        self.controller = GNMRController(
+            cfg, len(self.units), self.signals.device, selection=self.selection, relations=relations
+        )
         self.summary = TraceSummary(unit_names=names)
         self._restore(state, names)
         self._gradient_state = _gradient_state()
@@ -215,7 +224,11 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 "backend": cfg.backend,
                 "unit_kinds": kinds,
                 "config": cfg.to_dict(),
+                "paths": [_paths(u) for u in self.units],
             }
+            if relations is not None:
+                header["families"] = [relations.family_names[f] for f in relations.families]
+                header["fidelity_bounds"] = {_kind(u): u.fidelity_bound for u in self.units}
             self._trace = TraceWriter(path, header, resume_step=state.global_step)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
@@ -231,7 +244,11 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if pending is None:
             # No backward reached the model's outputs this step: every unit is missing.
             n, device = self.controller.num_units, self.controller.device
-            pending = (torch.full((n,), torch.nan, device=device), torch.ones(n, dtype=torch.bool, device=device))
+            pending = (
+                torch.full((n,), torch.nan, device=device),
+                torch.ones(n, dtype=torch.bool, device=device),
+                None,
+            )
         cfg = self.config
         check_history = self._warmup_check_step == 0 and self.controller.step + 1 >= cfg.min_history + cfg.window
         skipped = self._skipped(optimizer)
@@ -339,7 +356,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
         assert self._model is not None
         if self._zero is not None:
             # DeepSpeed ZeRO: the reduced gradients exist only just before its optimizer step, read there.
-            sink = lambda norms, missing: setattr(self, "_pending", (norms, missing))  # noqa: E731
+            sink = lambda norms, missing: setattr(  # noqa: E731
+                self, "_pending", (norms, missing, self.signals.gather_fidelity())
+            )
             self._hooks = [self._zero.install(self.units, sink)]
             return
         self._hooks = [self._model.register_forward_hook(self._on_model_forward)]
@@ -370,7 +389,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
             scale = _loss_scale(self._scaler)
             norms = norms / scale.to(norms.device)
             self._scale_at_capture = scale.clone()
-        self._pending = (norms, missing)
+        self._pending = (norms, missing, self.signals.fidelity)
         self._queued = False
 
     def _skipped(self, optimizer: Any) -> torch.Tensor | None:
@@ -446,6 +465,22 @@ def _exported_attributes(stateful: Any) -> dict[str, Any] | None:
     if isinstance(entry, list):  # the Trainer stores a list when several callbacks share a class
         entry = entry[0] if entry else None
     return entry.get("attributes") if isinstance(entry, Mapping) else None
+
+
+def _kind(unit: RecoverableUnit) -> str:
+    """A unit's kind, for peer groups and messages: the backend's `kind` where it has several, else its class."""
+    return str(getattr(unit, "kind", type(unit).__name__))
+
+
+def _paths(unit: RecoverableUnit) -> str:
+    """What the unit runs in, "cheap/recovery" (bits, formats...), from what its backend describes."""
+    facts = unit.describe()
+    for key in ("bits", "formats"):
+        if key in facts:
+            return str(facts[key])
+    return {"bnb_int8": "int8/bf16", "bnb_4bit": "4bit/bf16", "torchao_float8": "float8/high"}.get(
+        unit.backend, "low/high"
+    )
 
 
 def _unit_kinds(units: list[RecoverableUnit]) -> dict[str, dict[str, int]]:
