@@ -1,4 +1,5 @@
-"""The `gnmr-hf` command: `gnmr-hf demo` runs the tiny offline fine-tune, `gnmr-hf report TRACE` summarizes one."""
+"""The `gnmr-hf` command: `gnmr-hf demo` runs the tiny offline fine-tune, `gnmr-hf report TRACE` summarizes one,
+`gnmr-hf advise TRACE` turns one into a static carve-out (`gnmr_hf.advise`)."""
 
 from __future__ import annotations
 
@@ -35,13 +36,18 @@ def _report(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"report": _report, "demo": None}
+    commands = {"report": _report, "demo": None, "advise": None}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: gnmr-hf {demo,report} [options]\n")
+        print("usage: gnmr-hf {demo,report,advise} [options]\n")
         print("  demo    run the tiny offline GNMR LoRA fine-tune (INT8 <-> BF16; --backend bnb_4bit: NF4 <-> BF16)")
         print("          and print its report")
         print("  report  summarize a GNMR decision trace and write its plots")
+        print("  advise  print the units a run needed persistently as a static carve-out")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "advise":
+        from .advise import main as advise_main
+
+        return advise_main(argv[1:])
     if argv[0] == "demo":
         from .experiments.demo import main as demo_main
 
