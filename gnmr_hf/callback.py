@@ -224,7 +224,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 "backend": cfg.backend,
                 "unit_kinds": kinds,
                 "config": cfg.to_dict(),
-                "paths": [_paths(u) for u in self.units],
+                "paths": [u.precision() for u in self.units],
             }
             if relations is not None:
                 header["families"] = [relations.family_names[f] for f in relations.families]
@@ -470,17 +470,6 @@ def _exported_attributes(stateful: Any) -> dict[str, Any] | None:
 def _kind(unit: RecoverableUnit) -> str:
     """A unit's kind, for peer groups and messages: the backend's `kind` where it has several, else its class."""
     return str(getattr(unit, "kind", type(unit).__name__))
-
-
-def _paths(unit: RecoverableUnit) -> str:
-    """What the unit runs in, "cheap/recovery" (bits, formats...), from what its backend describes."""
-    facts = unit.describe()
-    for key in ("bits", "formats"):
-        if key in facts:
-            return str(facts[key])
-    return {"bnb_int8": "int8/bf16", "bnb_4bit": "4bit/bf16", "torchao_float8": "float8/high"}.get(
-        unit.backend, "low/high"
-    )
 
 
 def _unit_kinds(units: list[RecoverableUnit]) -> dict[str, dict[str, int]]:

@@ -19,7 +19,7 @@ sync, a fixed number of ops per step.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,12 +122,12 @@ def cause_step(
     lock_cap: int,
     suspect: float,
     peer_factor: float,
+    top_indices: Callable[[torch.Tensor, int], torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """One step of the cause policy; returns the new `active`, `locks`, `lock_length`, `exited_at` and, per unit,
     `severity` (the fidelity used, NaN where unmeasured), `reason` (int8 codes of `REASONS`) and `source` (for a
-    cause: the riskiest symptomatic unit of its family, else -1)."""
-    from .controller import top_indices
-
+    cause: the riskiest symptomatic unit of its family, else -1). `top_indices(key, k)`: the controller's ranking
+    (the k largest keys, ties to the lower index)."""
     n = risky.numel()
     device = risky.device
     index = torch.arange(n, device=device)

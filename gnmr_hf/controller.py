@@ -408,6 +408,7 @@ class GNMRController:
             lock_cap=cfg.relapse_lock_cap,
             suspect=cfg.cause_suspect,
             peer_factor=cfg.cause_peer_factor,
+            top_indices=top_indices,
         )
         previous, selected = self.active, out["active"]
         self.locks, self.active, self.step = out["locks"], selected, t

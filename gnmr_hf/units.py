@@ -177,6 +177,12 @@ class RecoverableUnit:
         """Extra bytes the recovery path holds while this unit is in recovery (an upper bound where it varies)."""
         return 0
 
+    def precision(self) -> str:
+        """What the two paths run in, "cheap/recovery" (e.g. "4/8" bits, "e2m1/e4m3"): for the trace header and
+        `gnmr-hf advise`. By default the `bits` or `formats` the backend describes, else "low/high"."""
+        facts = self.describe()
+        return str(facts.get("bits", facts.get("formats", "low/high")))
+
     def describe(self) -> dict[str, Any]:
         """JSON-safe facts worth recording (signal kind, weight source, bit widths...), the same keys for every unit
         of a backend: the callback logs their counts at train begin and writes them to the trace header."""

@@ -96,6 +96,9 @@ class BnbUnit(SwitchedUnit):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "source": self.source}
 
+    def precision(self) -> str:
+        return f"{self.weight_kind}/bf16"
+
     def recovery_bytes(self) -> int:
         # The bias is cast per forward rather than held, but it is the same bytes and keeps the count an upper bound.
         bias = 0 if self.module.bias is None else self.module.bias.numel()

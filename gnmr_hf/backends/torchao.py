@@ -37,6 +37,9 @@ class Float8Unit(SwitchedUnit):
         "row-sum bias / 0.1); a rowwise recipe is measured per row"
     )
 
+    def precision(self) -> str:
+        return "float8/high"
+
     def input_fidelity(self, x: torch.Tensor) -> torch.Tensor:
         rowwise = "AXISWISE" in str(getattr(self.module.config.cast_config_input, "scaling_granularity", ""))
         return float8_input_loss(x, rowwise)
