@@ -88,7 +88,8 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self.controller_state: dict[str, Any] | None = None
         self.summary_state: dict[str, Any] | None = None
         self.unit_names: list[str] | None = None
-        self._pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending_fidelity: torch.Tensor | None = None  # read with the norms (policy="cause")
         self._scale_at_capture: torch.Tensor | None = None
         self._queued = False
         self._hooks: list[Any] = []
@@ -235,6 +236,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         assert self.controller is not None and self.summary is not None
         step = state.global_step + 1  # the optimizer step being taken (global_step counts it after on_step_end)
         pending, self._pending = self._pending, None
+        fidelity, self._pending_fidelity = self._pending_fidelity, None
         self._queued = False
         try:
             self.signals.check()
@@ -244,15 +246,11 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if pending is None:
             # No backward reached the model's outputs this step: every unit is missing.
             n, device = self.controller.num_units, self.controller.device
-            pending = (
-                torch.full((n,), torch.nan, device=device),
-                torch.ones(n, dtype=torch.bool, device=device),
-                None,
-            )
+            pending = (torch.full((n,), torch.nan, device=device), torch.ones(n, dtype=torch.bool, device=device))
         cfg = self.config
         check_history = self._warmup_check_step == 0 and self.controller.step + 1 >= cfg.min_history + cfg.window
         skipped = self._skipped(optimizer)
-        decision = self.controller.observe(*pending).to_host(
+        decision = self.controller.observe(*pending, fidelity).to_host(
             top_k=cfg.trace_top_k, history=check_history, flag=skipped
         )
         if decision.flag:
@@ -311,7 +309,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if self._trace is not None:
             self._trace.close()
             self._trace = None
-        self._pending, self._queued = None, False
+        self._pending, self._pending_fidelity, self._queued = None, None, False
         if self._model is not None:
             run = self._model.__dict__.get(_RUN_ATTR)
             if run is not None and run[0]() is self:
@@ -356,9 +354,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
         assert self._model is not None
         if self._zero is not None:
             # DeepSpeed ZeRO: the reduced gradients exist only just before its optimizer step, read there.
-            sink = lambda norms, missing: setattr(  # noqa: E731
-                self, "_pending", (norms, missing, self.signals.gather_fidelity())
-            )
+            def sink(norms: torch.Tensor, missing: torch.Tensor) -> None:
+                self._pending, self._pending_fidelity = (norms, missing), self.signals.gather_fidelity()
+
             self._hooks = [self._zero.install(self.units, sink)]
             return
         self._hooks = [self._model.register_forward_hook(self._on_model_forward)]
@@ -389,7 +387,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
             scale = _loss_scale(self._scaler)
             norms = norms / scale.to(norms.device)
             self._scale_at_capture = scale.clone()
-        self._pending = (norms, missing, self.signals.fidelity)
+        self._pending, self._pending_fidelity = (norms, missing), self.signals.fidelity
         self._queued = False
 
     def _skipped(self, optimizer: Any) -> torch.Tensor | None:
