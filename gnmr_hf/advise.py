@@ -122,7 +122,7 @@ def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list
             f"exclude = {patterns!r}",
             "",
             "# torchao: convert_to_float8_training(model, config=..., module_filter_fn=module_filter_fn)",
-            f"CARVE_OUT = {set(advice.names)!r}",
+            "CARVE_OUT = {" + ", ".join(map(repr, advice.names)) + "}",
             "def module_filter_fn(module, fqn):",
             "    return fqn not in CARVE_OUT",
             "",
