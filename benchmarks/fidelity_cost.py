@@ -4,12 +4,12 @@
 
 The probe-scale LLaMA of the pretraining recipes (d=128, 4 layers, batch 16 x 128 bytes), one forward + backward per
 step, in the two stress regimes' unit sets: act_quant 4/8-bit with the 28 projections and 4 attention units, and
-block_fp e2m1/e4m3 with the 28 projections and the output head. Per regime three modes, interleaved in rounds so
-that drift on a shared machine hits them alike: the units not measuring (what the paper's policy runs), measuring
-with every unit on the cheap path, and measuring with `max_active` = 4 units in recovery (these measure the cheap
-path's rounding a second time: the worst case of the policy's steady state). Reported: CPU time of this process
-per step (median over rounds x steps), and the extra time over the non-measuring mode; plus the per-step gathering
-of the [N] vector (`UnitSignals.compute`, with and without fidelity).
+block_fp e2m1/e4m3 with the 28 projections and the output head. Per regime four modes, interleaved in rounds so
+that drift on a shared machine hits them alike: every unit on the cheap path, or `max_active` = 4 units in recovery
+(these measure the cheap path's rounding a second time: the policy's steady state in the stress regimes), each with
+the units measuring or not (not: what the paper's policy runs). Reported: CPU time of this process per step (median
+over rounds x steps), and what measuring adds to the same recovery set; plus the per-step gathering of the [N]
+vector (`UnitSignals.compute`, with and without fidelity).
 """
 
 from __future__ import annotations
@@ -41,7 +41,13 @@ REGIMES = {
         ["^lm_head$", r"layers\.[012]\.self_attn\.q_proj$"],
     ),
 }
-MODES = ("not measuring", "measuring, all cheap", "measuring, 4 in recovery")
+# (mode, measuring, 4 units in recovery)
+MODES = {
+    "all cheap, not measuring": (False, False),
+    "all cheap, measuring": (True, False),
+    "4 in recovery, not measuring": (False, True),
+    "4 in recovery, measuring": (True, True),
+}
 
 
 def main() -> None:
@@ -60,11 +66,11 @@ def main() -> None:
         times: dict[str, list[float]] = {m: [] for m in MODES}
         gather: dict[str, list[float]] = {"norms only": [], "norms + fidelity": []}
         for _ in range(args.rounds):
-            for mode in MODES:
+            for mode, (measuring, recovering) in MODES.items():
                 for unit in units:
-                    unit.measure_fidelity = mode != MODES[0]
+                    unit.measure_fidelity = measuring
                 for unit in chosen:
-                    (unit.enter_recovery if mode == MODES[2] else unit.exit_recovery)()
+                    (unit.enter_recovery if recovering else unit.exit_recovery)()
                 for step in range(args.steps + 1):
                     model.zero_grad()
                     start = time.process_time()
@@ -75,12 +81,13 @@ def main() -> None:
                     gathered = time.process_time() - start
                     if step:  # the first step of a mode warms up and is not counted
                         times[mode].append(elapsed)
-                        gather["norms only" if mode == MODES[0] else "norms + fidelity"].append(gathered)
+                        gather["norms + fidelity" if measuring else "norms only"].append(gathered)
         units.close()
-        base = statistics.median(times[MODES[0]])
+        median = {m: statistics.median(v) for m, v in times.items()}
+        modes = list(MODES)
         results[regime] = {
-            "cpu_s_per_step": {m: statistics.median(v) for m, v in times.items()},
-            "extra_vs_not_measuring": {m: statistics.median(v) / base - 1 for m, v in times.items()},
+            "cpu_s_per_step": median,
+            "extra_vs_not_measuring": {m: median[m] / median[modes[i - i % 2]] - 1 for i, m in enumerate(modes)},
             "gather_ms": {k: 1e3 * statistics.median(v) for k, v in gather.items()},
         }
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps\n")
