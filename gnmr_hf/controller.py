@@ -213,7 +213,8 @@ class GNMRController:
 
     State (`state_dict()`): `norm_sum`, `norm_count` (float64: the history of valid norms), `gnmr_window`
     (float64 [window, N]: the GNMR of the last `window` steps, NaN where a step had no score) and `locks`
-    (int32). `active` is derived: a unit is in recovery exactly while its lock is > 0.
+    (int32); with `relapse_lock` or `policy="cause"` also `lock_length` and `exited_at`. `active` is derived: a unit
+    is in recovery exactly while its lock is > 0.
     """
 
     def __init__(

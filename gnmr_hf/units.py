@@ -4,7 +4,9 @@ A unit is one module with a cheap path and a high-fidelity (recovery) path; it i
 refers to. `RecoverableUnit` owns the rules (enter/exit/close idempotent, a closed unit refuses to enter, what
 the recovery path holds counted in the shared `RecoveryLedger`, the signal); a backend subclass fills in what
 differs. `SwitchedUnit` is the template for units that switch their module's forward. `Backend` declares a kind
-of unit once: its name, its options, which modules it takes. `gnmr_hf.registry.find_units` builds the units.
+of unit once: its name, its options, which modules it takes. `gnmr_hf.registry.find_units` builds the units. Under
+`policy="cause"` a unit also reports its fidelity, what its cheap path loses, through one on-device accumulator
+(`report_fidelity`, or `input_fidelity` for a backend whose rounding happens in a closed kernel).
 """
 
 from __future__ import annotations
