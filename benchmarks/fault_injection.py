@@ -11,7 +11,9 @@ is immune: its 8-bit copy is saved correctly.
 
 Arms: `clean` (static low-cost, no fault: what the faults cost), `static_low` (faults, nothing reacts), `gnmr`
 (faults, GNMR), `global_z` (faults, a ZClip-style z-score of the total gradient norm, recovering the `max_active`
-units with the largest norms for `lock_steps` steps when it fires: GNMR's budget). Reported per arm over seeds and
+units with the largest norms for `lock_steps` steps when it fires: GNMR's budget), `gnmr_cause` (faults, the cause
+policy: a fault shows in the faulty unit's fidelity, measured in recovery too, so it is held while the fault lasts).
+Reported per arm over seeds and
 faults: how often the faulty unit runs on the recovery path at the step after the fault's first step, the delay
 from the fault's first step to its first recovered step (within the fault and `lock_steps` after), recoveries
 (entries into recovery) on units that were not faulty at the decision step, unit-steps in recovery, and the final
@@ -34,7 +36,7 @@ from gnmr_hf import GNMRConfig
 from gnmr_hf.experiments.pretrain import PretrainArguments, load_corpus, run_arm, training_arguments
 from gnmr_hf.trace import read_trace
 
-ARMS = ("clean", "static_low", "gnmr", "global_z")
+ARMS = ("clean", "static_low", "gnmr", "global_z", "gnmr_cause")
 
 
 class FaultInjector(TrainerCallback):

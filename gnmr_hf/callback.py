@@ -26,6 +26,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from .cause import UnitRelations
 from .config import GNMRConfig
 from .controller import GNMRController, HostDecision, Selection
 from .integrations.deepspeed import DeepSpeedZero
@@ -88,6 +89,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self.summary_state: dict[str, Any] | None = None
         self.unit_names: list[str] | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending_fidelity: torch.Tensor | None = None  # read with the norms (policy="cause")
         self._scale_at_capture: torch.Tensor | None = None
         self._queued = False
         self._hooks: list[Any] = []
@@ -174,7 +176,15 @@ class GNMRCallback(TrainerCallback, ExportableState):
                     f"GNMRCallback: selection {self.selection.name!r} does not resume; start the run anew"
                 )
             self.selection.bind(names, self.signals.device)
-        self.controller = GNMRController(cfg, len(self.units), self.signals.device, selection=self.selection)
+        relations = None
+        if cfg.policy == "cause" and self.selection is None:
+            # The cause policy reads what each unit's cheap path loses: the units measure it from now on.
+            for unit in self.units:
+                unit.start_measuring()
+            relations = UnitRelations.from_names(names, [_kind(u) for u in self.units])
+        self.controller = GNMRController(
+            cfg, len(self.units), self.signals.device, selection=self.selection, relations=relations
+        )
         self.summary = TraceSummary(unit_names=names)
         self._restore(state, names)
         self._gradient_state = _gradient_state()
@@ -215,13 +225,18 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 "backend": cfg.backend,
                 "unit_kinds": kinds,
                 "config": cfg.to_dict(),
+                "paths": [u.precision() for u in self.units],
             }
+            if relations is not None:
+                header["families"] = [relations.family_names[f] for f in relations.families]
+                header["fidelity_bounds"] = {_kind(u): u.fidelity_bound for u in self.units}
             self._trace = TraceWriter(path, header, resume_step=state.global_step)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         assert self.controller is not None and self.summary is not None
         step = state.global_step + 1  # the optimizer step being taken (global_step counts it after on_step_end)
         pending, self._pending = self._pending, None
+        fidelity, self._pending_fidelity = self._pending_fidelity, None
         self._queued = False
         try:
             self.signals.check()
@@ -235,7 +250,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         cfg = self.config
         check_history = self._warmup_check_step == 0 and self.controller.step + 1 >= cfg.min_history + cfg.window
         skipped = self._skipped(optimizer)
-        decision = self.controller.observe(*pending).to_host(
+        decision = self.controller.observe(*pending, fidelity).to_host(
             top_k=cfg.trace_top_k, history=check_history, flag=skipped
         )
         if decision.flag:
@@ -294,7 +309,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if self._trace is not None:
             self._trace.close()
             self._trace = None
-        self._pending, self._queued = None, False
+        self._pending, self._pending_fidelity, self._queued = None, None, False
         if self._model is not None:
             run = self._model.__dict__.get(_RUN_ATTR)
             if run is not None and run[0]() is self:
@@ -339,7 +354,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
         assert self._model is not None
         if self._zero is not None:
             # DeepSpeed ZeRO: the reduced gradients exist only just before its optimizer step, read there.
-            sink = lambda norms, missing: setattr(self, "_pending", (norms, missing))  # noqa: E731
+            def sink(norms: torch.Tensor, missing: torch.Tensor) -> None:
+                self._pending, self._pending_fidelity = (norms, missing), self.signals.gather_fidelity()
+
             self._hooks = [self._zero.install(self.units, sink)]
             return
         self._hooks = [self._model.register_forward_hook(self._on_model_forward)]
@@ -370,7 +387,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
             scale = _loss_scale(self._scaler)
             norms = norms / scale.to(norms.device)
             self._scale_at_capture = scale.clone()
-        self._pending = (norms, missing)
+        self._pending, self._pending_fidelity = (norms, missing), self.signals.fidelity
         self._queued = False
 
     def _skipped(self, optimizer: Any) -> torch.Tensor | None:
@@ -446,6 +463,11 @@ def _exported_attributes(stateful: Any) -> dict[str, Any] | None:
     if isinstance(entry, list):  # the Trainer stores a list when several callbacks share a class
         entry = entry[0] if entry else None
     return entry.get("attributes") if isinstance(entry, Mapping) else None
+
+
+def _kind(unit: RecoverableUnit) -> str:
+    """A unit's kind, for peer groups and messages: the backend's `kind` where it has several, else its class."""
+    return str(getattr(unit, "kind", type(unit).__name__))
 
 
 def _unit_kinds(units: list[RecoverableUnit]) -> dict[str, dict[str, int]]:

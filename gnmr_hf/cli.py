@@ -1,4 +1,5 @@
-"""The `gnmr-hf` command: `gnmr-hf demo` runs the tiny offline fine-tune, `gnmr-hf report TRACE` summarizes one.
+"""The `gnmr-hf` command: `gnmr-hf demo` runs the tiny offline fine-tune, `gnmr-hf report TRACE` summarizes one,
+`gnmr-hf advise TRACE` turns one into a static carve-out (`gnmr_hf.advise`).
 
 Also the command-line conventions every entry point here and in recipes/ shares: a user's mistake on the command
 line (a bad value, an unknown backend option) prints one line, `error: <message naming the flag>`, and exits 2,
@@ -31,6 +32,7 @@ COMMANDS = {
     "demo": "run the tiny offline GNMR LoRA fine-tune (INT8 <-> BF16; --backend bnb_4bit: NF4 <-> BF16) and print "
     "its report",
     "report": "summarize a GNMR decision trace and write its plots",
+    "advise": "print the units a run needed persistently as a static carve-out",
 }
 
 
@@ -197,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)}\n", file=sys.stderr)
         print(_usage(), file=sys.stderr)
         return 2
+    if argv[0] == "advise":
+        from .advise import main as advise_main
+
+        return advise_main(argv[1:])
     return _demo(argv[1:]) if argv[0] == "demo" else _report(argv[1:])
 
 

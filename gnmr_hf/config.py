@@ -19,6 +19,7 @@ from .options import parse_options_text
 __all__ = ["GNMRConfig"]
 
 _SCHEDULES = ("constant", "linear", "cosine")
+_POLICIES = ("paper", "cause")
 
 
 @dataclass
@@ -75,6 +76,28 @@ class GNMRConfig:
     relapse_lock_cap: int = field(
         default=64, metadata={"help": "Longest lock the relapse-aware lock gives, in steps (>= lock_steps)."}
     )
+    policy: str = field(
+        default="paper",
+        metadata={
+            "help": "'paper': the paper's selection, bit for bit. 'cause': also measure what each unit's cheap path "
+            "loses (its fidelity), recover the unit that causes a symptom, units broken from the start, hold them "
+            "while their cheap path stays lossy (docs/method.md, 'The cause policy')."
+        },
+    )
+    cause_suspect: float = field(
+        default=0.5,
+        metadata={
+            "help": "policy='cause': fidelity (1 = the backend's bound) above which a unit can be blamed for a "
+            "symptom in its family and is held in recovery; above 1 it is recovered without a symptom. In (0, 1]."
+        },
+    )
+    cause_peer_factor: float = field(
+        default=4.0,
+        metadata={
+            "help": "policy='cause': a unit whose fidelity is this many times the median of its peers (the same "
+            "unit in other layers) and above cause_suspect is broken. > 1."
+        },
+    )
     # Integration knobs: the controller ignores these, the callback reads them.
     backend: str = field(
         default="bnb_int8",
@@ -117,14 +140,21 @@ class GNMRConfig:
         self._check_int("relapse_lock_cap", 1)
         if not isinstance(self.relapse_lock, bool):
             raise TypeError(f"GNMRConfig.relapse_lock must be a bool, got {self.relapse_lock!r}")
-        if self.relapse_lock and self.relapse_lock_cap < self.lock_steps:
+        if (self.relapse_lock or self.policy == "cause") and self.relapse_lock_cap < self.lock_steps:
             raise ValueError(
-                f"GNMRConfig.relapse_lock_cap must be >= lock_steps={self.lock_steps} with relapse_lock=True, "
-                f"got {self.relapse_lock_cap}"
+                f"GNMRConfig.relapse_lock_cap must be >= lock_steps={self.lock_steps} with relapse_lock=True or "
+                f"policy='cause', got {self.relapse_lock_cap}"
             )
         self._check_threshold("alpha")
         self._check_threshold("beta")
         self._check_choice("threshold_schedule", _SCHEDULES)
+        self._check_choice("policy", _POLICIES)
+        self._check_threshold("cause_suspect")
+        if self.cause_suspect > 1:
+            raise ValueError(f"GNMRConfig.cause_suspect must be in (0, 1], got {self.cause_suspect}")
+        self._check_threshold("cause_peer_factor")
+        if self.cause_peer_factor <= 1:
+            raise ValueError(f"GNMRConfig.cause_peer_factor must be > 1, got {self.cause_peer_factor}")
         if not isinstance(self.backend, str) or not self.backend:
             raise TypeError(f"GNMRConfig.backend must be a backend's name (a non-empty str), got {self.backend!r}")
         self._check_backend_options()

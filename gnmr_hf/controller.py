@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .cause import REASONS, UnitRelations, cause_step
 from .config import GNMRConfig
 
 __all__ = ["Decision", "GNMRController", "HostDecision", "Selection"]
@@ -54,6 +55,9 @@ class HostDecision:
     beta: float
     no_history: np.ndarray | None = None  # units that cannot be scored yet; fetched with to_host(history=True)
     flag: bool | None = None  # the caller's flag, fetched with to_host(flag=...)
+    # policy="cause": {"why": [[unit, reason, source unit or -1], ...] for the active units, "severity": [[unit,
+    # fidelity], ...] for the `top_k` lossiest measured units, lossiest first}; None under the paper's policy.
+    cause: dict[str, list[list[Any]]] | None = None
 
     @property
     def exceedance_rate(self) -> float:
@@ -87,6 +91,11 @@ class Decision:
     exited: torch.Tensor
     locks: torch.Tensor
     has_history: torch.Tensor
+    # policy="cause" only: per-unit fidelity (float64, NaN where unmeasured), reason codes (int8, `cause.REASONS`)
+    # and, for a unit blamed for a symptom, the symptomatic unit (int64, else -1).
+    severity: torch.Tensor | None = None
+    reason: torch.Tensor | None = None
+    source: torch.Tensor | None = None
 
     def to_host(self, top_k: int = 0, history: bool = False, flag: torch.Tensor | None = None) -> HostDecision:
         """Copy what the caller acts on to the host in ONE transfer (one sync per optimizer step).
@@ -106,15 +115,26 @@ class Decision:
         # >= 0). A stable sort breaks ties by the lower index.
         key = torch.where(self.scored | self.risk.isinf(), self.risk, -1.0)
         top_idx = top_indices(key, k)
-        head = torch.cat(
-            [
-                key.max().reshape(1),
-                torch.stack([self.scored.sum(), self.candidates.sum()]).to(torch.float64),
-                key[top_idx],
-                top_idx.to(torch.float64),  # exact: indices are far below 2^53
-                (flag if flag is not None else torch.zeros((), device=key.device)).to(torch.float64).reshape(1),
+        parts = [
+            key.max().reshape(1),
+            torch.stack([self.scored.sum(), self.candidates.sum()]).to(torch.float64),
+            key[top_idx],
+            top_idx.to(torch.float64),  # exact: indices are far below 2^53
+            (flag if flag is not None else torch.zeros((), device=key.device)).to(torch.float64).reshape(1),
+        ]
+        if self.severity is not None:
+            # The cause policy's evidence rides in the same transfer: every unit's reason and source (the active
+            # ones are read from them) and the k lossiest measured units.
+            assert self.reason is not None and self.source is not None
+            lossy = torch.where(self.severity.isnan(), -1.0, self.severity.nan_to_num(posinf=1e300))
+            lossy_idx = top_indices(lossy, k)
+            parts += [
+                self.reason.to(torch.float64),
+                self.source.to(torch.float64),
+                lossy[lossy_idx],
+                lossy_idx.to(torch.float64),
             ]
-        )
+        head = torch.cat(parts)
         rows = [self.active, self.entered, self.exited, self.risky] + ([~self.has_history] if history else [])
         masks = torch.stack(rows)
         # One byte buffer (the float64 head's bytes, then the four masks) so that a single `.cpu()` moves it;
@@ -126,6 +146,15 @@ class Decision:
         )
         top_risks = head_h[3 : 3 + k]
         keep = top_risks >= 0  # fewer than k units are scored
+        cause = None
+        if self.severity is not None:
+            at = 4 + 2 * k
+            reason, source = head_h[at : at + n], head_h[at + n : at + 2 * n]
+            sev, sev_idx = head_h[at + 2 * n : at + 2 * n + k], head_h[at + 2 * n + k : at + 2 * n + 2 * k]
+            cause = {
+                "why": [[int(i), REASONS[int(reason[i])], int(source[i])] for i in active],
+                "severity": [[int(i), float(v)] for i, v in zip(sev_idx, sev, strict=True) if v >= 0],
+            }
         return HostDecision(
             step=self.step,
             active=active,
@@ -141,6 +170,7 @@ class Decision:
             beta=self.beta,
             no_history=no_history[0] if history else None,
             flag=bool(head_h[3 + 2 * k]) if flag is not None else None,
+            cause=cause,
         )
 
 
@@ -179,10 +209,12 @@ class GNMRController:
         device: where the state lives; `observe()` takes norms on this device.
         selection: chooses the recovery set instead of the paper's policy (bound to the units by the caller);
             None for the paper's.
+        relations: with `policy="cause"`, how the units are related (`UnitRelations.from_names`); default: none.
 
     State (`state_dict()`): `norm_sum`, `norm_count` (float64: the history of valid norms), `gnmr_window`
     (float64 [window, N]: the GNMR of the last `window` steps, NaN where a step had no score) and `locks`
-    (int32). `active` is derived: a unit is in recovery exactly while its lock is > 0.
+    (int32); with `relapse_lock` or `policy="cause"` also `lock_length` and `exited_at`. `active` is derived: a unit
+    is in recovery exactly while its lock is > 0.
     """
 
     def __init__(
@@ -191,6 +223,7 @@ class GNMRController:
         num_units: int,
         device: torch.device | str = "cpu",
         selection: Selection | None = None,
+        relations: UnitRelations | None = None,
     ) -> None:
         if not isinstance(config, GNMRConfig):
             raise TypeError(f"GNMRController: config must be a GNMRConfig, got {type(config).__name__}")
@@ -209,11 +242,24 @@ class GNMRController:
         self.selection = selection
         self.active = self.locks > 0 if selection is None else selection.initial().to(self.device)
         self._before_last: tuple[Any, ...] | None = None  # what `revert()` restores
-        if config.relapse_lock:
+        self.cause = config.policy == "cause" and selection is None
+        if self.cause:
+            relations = relations if relations is not None else UnitRelations.independent(num_units)
+            if len(relations.families) != num_units:
+                raise ValueError(
+                    f"GNMRController: relations describe {len(relations.families)} units, expected {num_units}"
+                )
+            self.relations = relations
+            self._relations = relations.device_tensors(self.device)
+        if self._keeps_lock_lengths:
             # Relapse-aware lock (docs/method.md): each unit's current full lock, and the step it last left recovery.
             self.lock_length = torch.full((num_units,), config.lock_steps, dtype=torch.int32, device=self.device)
             self.exited_at = torch.full((num_units,), _NEVER, dtype=torch.int64, device=self.device)
             self._relapse_before: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def _keeps_lock_lengths(self) -> bool:
+        return self.config.relapse_lock or self.config.policy == "cause"
 
     def _check_norms(self, norms: Any, missing: Any) -> None:
         if not isinstance(norms, torch.Tensor):
@@ -239,14 +285,23 @@ class GNMRController:
                 )
 
     @torch.no_grad()
-    def observe(self, norms: torch.Tensor, missing: torch.Tensor | None = None) -> Decision:
+    def observe(
+        self, norms: torch.Tensor, missing: torch.Tensor | None = None, fidelity: torch.Tensor | None = None
+    ) -> Decision:
         """Score one optimizer step's norms and decide the recovery set for the next step.
 
         Args:
             norms: float tensor [N], the gradient norm of each unit this step (pre-clip, after accumulation).
             missing: optional bool tensor [N], True for units that had no gradient this step.
+            fidelity: optional float tensor [N], what each unit's cheap path lost this step in units of its bound
+                (NaN where unmeasured; `UnitSignals.fidelity`); read by `policy="cause"` only.
         """
         self._check_norms(norms, missing)
+        if fidelity is not None and (fidelity.shape != norms.shape or fidelity.device != self.device):
+            raise ValueError(
+                f"GNMRController.observe: fidelity must be a tensor of shape ({self.num_units},) on {self.device}, "
+                f"got shape {tuple(fidelity.shape)} on {fidelity.device}"
+            )
         cfg = self.config
         t = self.step + 1
         alpha, beta = cfg.thresholds(t)
@@ -277,6 +332,9 @@ class GNMRController:
         self.norm_sum = self.norm_sum + torch.where(valid, n, 0.0)
         self.norm_count = self.norm_count + valid
         self.gnmr_window[pos] = gnmr
+
+        if self.cause:
+            return self._observe_cause(t, alpha, beta, gnmr, dgnmr, risk, scored, risky, broken, fidelity)
 
         # Locks count down; candidates are risky or still locked; the `max_active` riskiest candidates win, ties
         # to the lower index (a stable sort); non-candidates rank below every candidate (risks are >= 0).
@@ -318,6 +376,64 @@ class GNMRController:
             decision, active=active, entered=active & ~previous, exited=previous & ~active, candidates=active
         )
 
+    def _observe_cause(
+        self,
+        t: int,
+        alpha: float,
+        beta: float,
+        gnmr: torch.Tensor,
+        dgnmr: torch.Tensor,
+        risk: torch.Tensor,
+        scored: torch.Tensor,
+        risky: torch.Tensor,
+        broken: torch.Tensor,
+        fidelity: torch.Tensor | None,
+    ) -> Decision:
+        """The rest of `observe` under `policy="cause"` (`gnmr_hf.cause.cause_step`): GNMR's scores are the
+        symptoms; the fidelity says where the cause is and how long to hold it."""
+        cfg = self.config
+        self._relapse_before = (self.lock_length, self.exited_at)
+        out = cause_step(
+            t=t,
+            fidelity=fidelity,
+            risky=risky,
+            risk=risk,
+            broken_norm=broken,
+            active=self.active,
+            locks=self.locks,
+            lock_length=self.lock_length,
+            exited_at=self.exited_at,
+            relations=self._relations,
+            max_active=cfg.max_active,
+            lock_steps=cfg.lock_steps,
+            lock_cap=cfg.relapse_lock_cap,
+            suspect=cfg.cause_suspect,
+            peer_factor=cfg.cause_peer_factor,
+            top_indices=top_indices,
+        )
+        previous, selected = self.active, out["active"]
+        self.locks, self.active, self.step = out["locks"], selected, t
+        self.lock_length, self.exited_at = out["lock_length"], out["exited_at"]
+        return Decision(
+            step=t,
+            alpha=alpha,
+            beta=beta,
+            gnmr=gnmr,
+            dgnmr=dgnmr,
+            risk=risk,
+            scored=scored,
+            risky=risky,
+            candidates=selected,
+            active=selected,
+            entered=selected & ~previous,
+            exited=previous & ~selected,
+            locks=self.locks,
+            has_history=(self.norm_count >= cfg.min_history) & (self.norm_sum > 0),
+            severity=out["severity"],
+            reason=out["reason"],
+            source=out["source"],
+        )
+
     def _relapse_lock(self, t: int, entering: torch.Tensor) -> torch.Tensor:
         """The full lock of each unit at step t under the relapse-aware lock: a unit entering recovery within
         `lock_steps` steps of its last exit (a relapse) gets double its previous lock, capped at `relapse_lock_cap`;
@@ -344,7 +460,7 @@ class GNMRController:
         self.gnmr_window[step % self.config.window] = row
         self.step, self.norm_sum, self.norm_count, self.locks, self.active = step, norm_sum, norm_count, locks, active
         self._before_last = None
-        if self.config.relapse_lock and self._relapse_before is not None:
+        if self._keeps_lock_lengths and self._relapse_before is not None:
             self.lock_length, self.exited_at = self._relapse_before
             self._relapse_before = None
 
@@ -362,7 +478,7 @@ class GNMRController:
         return state
 
     def _state_names(self) -> tuple[str, ...]:
-        return _TENSOR_STATE + (_RELAPSE_STATE if self.config.relapse_lock else ())
+        return _TENSOR_STATE + (_RELAPSE_STATE if self._keeps_lock_lengths else ())
 
     def json_state(self) -> dict[str, Any]:
         """`state_dict()` with plain lists: JSON-safe and exact (float64 round-trips through repr).
@@ -431,7 +547,7 @@ class GNMRController:
                     f"GNMRController.load_state_dict: {key} has shape {tuple(value.shape)}, expected {tuple(expected)}"
                 )
             loaded[key] = value.clone()
-        if self.config.relapse_lock:
+        if self._keeps_lock_lengths:
             loaded.update(self._load_relapse_state(state))
         for name, value in loaded.items():
             setattr(self, name, value)
@@ -440,7 +556,7 @@ class GNMRController:
         self._before_last = None
 
     def _longest_lock(self) -> int:
-        return self.config.relapse_lock_cap if self.config.relapse_lock else self.config.lock_steps
+        return self.config.relapse_lock_cap if self._keeps_lock_lengths else self.config.lock_steps
 
     def _load_relapse_state(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The relapse-aware lock's tensors from `state`, or fresh ones when it was saved without the option."""

@@ -253,6 +253,7 @@ class UnitSignals:
         self._none_missing = torch.zeros(self.num_units, dtype=torch.bool, device=self.device)
         self._model = model
         self._adapters = active_adapters(model) if model is not None else None
+        self.fidelity: torch.Tensor | None = None
 
     def check(self) -> None:
         """Raise if the model's active adapters changed since the signals were built: a unit's `lora` signal
@@ -288,9 +289,31 @@ class UnitSignals:
             grid[slots] = per_tensor.square()
         return grid.view(self.num_units, self._width).sum(dim=1)
 
+    def gather_fidelity(self) -> torch.Tensor | None:
+        """[N] float32 of what each unit's cheap path lost this step (`RecoverableUnit.take_fidelity`), NaN where a
+        unit measured nothing; None when no unit did (the paper's policy: nothing is measured). No host sync."""
+        taken = [(i, u.take_fidelity()) for i, u in enumerate(self.units) if hasattr(u, "take_fidelity")]
+        taken = [(i, v) for i, v in taken if v is not None]
+        if not taken:
+            return None
+        fidelity = torch.full((self.num_units,), torch.nan, dtype=torch.float32, device=self.device)
+        index = torch.tensor([i for i, _ in taken], dtype=torch.long).to(self.device, non_blocking=True)
+        fidelity[index] = torch.stack([v.to(self.device) for _, v in taken])
+        if self.dp_group is not None:
+            # Each rank measured its own micro-batches: average over the ranks that measured, so that every rank
+            # decides the same.
+            seen = ~fidelity.isnan()
+            both = torch.stack([fidelity.nan_to_num(0.0), seen.float()])
+            torch.distributed.all_reduce(both, group=self.dp_group)
+            fidelity = torch.where(both[1] > 0, both[0] / both[1].clamp_min(1.0), torch.nan)
+        return fidelity
+
     @torch.no_grad()
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (norms float32 [N], missing bool [N]); norms are NaN where missing. No host sync."""
+        """Return (norms float32 [N], missing bool [N]); norms are NaN where missing. No host sync.
+
+        In the same pass the units' fidelity measurements of the step are gathered into `self.fidelity` ([N],
+        NaN where a unit measured nothing, None when none did)."""
         has_grad = [False] * self.num_units
         sq = self._squares(None, has_grad)
         for key in self._members:
@@ -322,6 +345,7 @@ class UnitSignals:
                     metered.to(self.device, non_blocking=True) & (fired == 0)
                 )
             sq += meter_sq
+        self.fidelity = self.gather_fidelity()
         if missing_mask is None:
             if all(has_grad):
                 return sq.sqrt_(), self._none_missing

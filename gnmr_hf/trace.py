@@ -63,7 +63,7 @@ def decision_record(decision: HostDecision, step: int | None = None) -> dict[str
         ],
         "alpha": decision.alpha,
         "beta": decision.beta,
-    }
+    } | ({"cause": decision.cause} if decision.cause is not None else {})
 
 
 def _json_float(x: float) -> float | str:

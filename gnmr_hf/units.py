@@ -4,7 +4,9 @@ A unit is one module with a cheap path and a high-fidelity (recovery) path; it i
 refers to. `RecoverableUnit` owns the rules (enter/exit/close idempotent, a closed unit refuses to enter, what
 the recovery path holds counted in the shared `RecoveryLedger`, the signal); a backend subclass fills in what
 differs. `SwitchedUnit` is the template for units that switch their module's forward. `Backend` declares a kind
-of unit once: its name, its options, which modules it takes. `gnmr_hf.registry.find_units` builds the units.
+of unit once: its name, its options, which modules it takes. `gnmr_hf.registry.find_units` builds the units. Under
+`policy="cause"` a unit also reports its fidelity, what its cheap path loses, through one on-device accumulator
+(`report_fidelity`, or `input_fidelity` for a backend whose rounding happens in a closed kernel).
 """
 
 from __future__ import annotations
@@ -130,6 +132,13 @@ class RecoverableUnit:
 
     closed = False
     _recovering = False
+    # Fidelity (docs/method.md, "The cause policy"): what the cheap path loses, in units of the backend's bound (1 =
+    # broken), reported by the backend with `report_fidelity` where it touches the data, only while `measure_fidelity`
+    # is on (the cause policy turns it on: the paper's policy pays nothing). None: this kind reports nothing.
+    fidelity_bound: str | None = None
+    measure_fidelity = False
+    _fidelity_sum: torch.Tensor | None = None
+    _fidelity_count = 0
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         owner = unit_of(module)
@@ -171,10 +180,57 @@ class RecoverableUnit:
         """Extra bytes the recovery path holds while this unit is in recovery (an upper bound where it varies)."""
         return 0
 
+    def precision(self) -> str:
+        """What the two paths run in, "cheap/recovery" (e.g. "4/8" bits, "e2m1/e4m3"): for the trace header and
+        `gnmr-hf advise`. By default the `bits` or `formats` the backend describes, else "low/high"."""
+        facts = self.describe()
+        return str(facts.get("bits", facts.get("formats", "low/high")))
+
     def describe(self) -> dict[str, Any]:
         """JSON-safe facts worth recording (signal kind, weight source, bit widths...), the same keys for every unit
         of a backend: the callback logs their counts at train begin and writes them to the trace header."""
         return {"signal": self.signal}
+
+    # ------------------------------------------------------------------ fidelity
+    def report_fidelity(self, severity: torch.Tensor) -> None:
+        """Add one measurement (a 0-d tensor on the device, kept there: no sync) of what the cheap path loses, in
+        units of the bound (`fidelity_bound` says what is measured). In recovery a backend reports what its cheap
+        path *would* lose on the same data, so that the policy can tell when releasing the unit is safe."""
+        value = severity.detach().float().reshape(())
+        self._fidelity_sum = value if self._fidelity_sum is None else self._fidelity_sum + value
+        self._fidelity_count += 1
+
+    def take_fidelity(self) -> torch.Tensor | None:
+        """The mean of the measurements since the last call (0-d tensor), or None when there was none; resets."""
+        total, count = self._fidelity_sum, self._fidelity_count
+        self._fidelity_sum, self._fidelity_count = None, 0
+        return None if total is None else total / count
+
+    @property
+    def measuring(self) -> bool:
+        """Whether a forward or backward running now should measure fidelity (training passes only)."""
+        return self.measure_fidelity and torch.is_grad_enabled()
+
+    def input_fidelity(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What the cheap path loses on the input `x` of a forward, for a backend whose cheap path quantizes the
+        input in a kernel we cannot open (bitsandbytes, torchao): measured by emulating that rounding, on both paths,
+        from a forward pre-hook. None (the default): the backend reports from its own code, or nothing."""
+        return None
+
+    def start_measuring(self) -> None:
+        """Turn fidelity measurement on (the cause policy does, at train begin). Idempotent."""
+        if self.measure_fidelity or self.closed:
+            return
+        self.measure_fidelity = True
+        if type(self).input_fidelity is not RecoverableUnit.input_fidelity:
+            self._input_hook = self.module.register_forward_pre_hook(self._on_input)
+
+    def _on_input(self, module: nn.Module, args: Any) -> None:
+        if self.measuring and args and isinstance(args[0], torch.Tensor):
+            with torch.no_grad():
+                loss = self.input_fidelity(args[0])
+            if loss is not None:
+                self.report_fidelity(loss)
 
     # ------------------------------------------------------------------ the contract
     @property
@@ -206,6 +262,10 @@ class RecoverableUnit:
         if self.closed:
             return
         self.exit_recovery()
+        hook = self.__dict__.pop("_input_hook", None)
+        if hook is not None:
+            hook.remove()
+        self.measure_fidelity = False
         if self.output_grad is not None:
             self.output_grad.remove()
             self.output_grad = None

@@ -54,6 +54,11 @@ INVALID = [
     ({"relapse_lock": 1}, TypeError, "relapse_lock"),
     ({"relapse_lock_cap": 0}, ValueError, "relapse_lock_cap"),
     ({"relapse_lock": True, "lock_steps": 8, "relapse_lock_cap": 4}, ValueError, "relapse_lock_cap"),
+    ({"policy": "oracle"}, ValueError, "policy"),
+    ({"cause_suspect": 0.0}, ValueError, "cause_suspect"),
+    ({"cause_suspect": 1.5}, ValueError, "cause_suspect"),
+    ({"cause_peer_factor": 1.0}, ValueError, "cause_peer_factor"),
+    ({"policy": "cause", "lock_steps": 8, "relapse_lock_cap": 4}, ValueError, "relapse_lock_cap"),
 ]
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..fidelity import operand_loss, row_sum_loss
 from ..quant import QuantizedTensor, quantize_absmax, quantized_nbytes
 from ..signals import Signal, SignalOptions, signal_option
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit, unit_of
@@ -150,6 +151,18 @@ class SaveSpec:
         (packed, scales), meta = entry
         return (packed, self._corrupt(scales.reshape(-1)).reshape(scales.shape)), meta
 
+    def loss(self, x: torch.Tensor, cache: SaveCache | None = None) -> torch.Tensor:
+        """What saving `x` this way loses (`gnmr_hf.fidelity.operand_loss` of the restored copy), with the quantized
+        copy taken from or put in `cache`, so that measuring and saving quantize once."""
+        key = ("loss", self, x._version)
+        cached = None if cache is None else cache.get(x, key)
+        if cached is None:
+            saved, meta = self.save(x, cache)
+            cached = operand_loss(x, self.restore(saved, meta))
+            if cache is not None:
+                cache.put(x, key, cached)
+        return cached
+
     def _corrupt(self, rows: torch.Tensor) -> torch.Tensor:
         """`rows` with every `fault_stride`-th one multiplied by `fault_scale` (a copy), or `rows` itself."""
         if self.fault_scale == 1.0:
@@ -208,8 +221,11 @@ class _SavesActivations(RecoverableUnit):
 
     def current_spec(self) -> SaveSpec:
         """How the next forward saves: `high_bits` in recovery, else `low_bits` with any injected fault."""
-        if self._recovering:
-            return self.options.spec(self.high_bits)
+        return self.options.spec(self.high_bits) if self._recovering else self.cheap_spec()
+
+    def cheap_spec(self) -> SaveSpec:
+        """How the cheap path saves (`low_bits`, with any injected fault), also while the unit is in recovery: its
+        fidelity is measured on it either way."""
         spec = self.options.spec(self.low_bits)
         if self.fault_scale == 1.0:
             return spec
@@ -281,6 +297,7 @@ class ActQuantLinearUnit(_SavesActivations, SwitchedUnit):
     """One `nn.Linear` whose saved input is kept at `low_bits` on the cheap path and `high_bits` in recovery."""
 
     kind = "linear"
+    fidelity_bound = "saved input at low_bits: max(relative L2 error / 2, row-sum bias / 0.1)"
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         self._cache = ctx.once(_save_cache)
@@ -296,6 +313,9 @@ class ActQuantLinearUnit(_SavesActivations, SwitchedUnit):
         m = self.module
         if torch.is_grad_enabled() and m.weight.requires_grad:
             self.measure(x)
+            if self.measuring:
+                # On the cheap path the copy measured is the one saved (the cache quantizes once).
+                self.report_fidelity(self.cheap_spec().loss(x, self._cache))
         return QuantSavedLinear.apply(x, m.weight, m.bias, self.current_spec(), self._cache)
 
 
@@ -350,6 +370,7 @@ class QuantSavedAttention(torch.autograd.Function):
         scaling: float,
         spec: SaveSpec,
         renormalize: bool,
+        probe: Any = None,
     ) -> torch.Tensor:
         groups = q.shape[1] // k.shape[1]
         s = _scores(q, _repeat_kv(k, groups), mask, is_causal, scaling)
@@ -369,6 +390,12 @@ class QuantSavedAttention(torch.autograd.Function):
             saved.append(tensors)
             metas.append(meta)
         ctx.metas, ctx.counts = metas, [len(t) for t in saved]
+        # probe: the unit's fidelity report on the cheap path; the backward adds the recomputed rows' sums.
+        ctx.probe = None
+        if probe is not None:
+            restored = [SaveSpec.restore(t, m) for t, m in zip(saved, metas, strict=True)]
+            losses = [operand_loss(x, r) for x, r in zip((q, k, v), restored, strict=True)]
+            ctx.probe = (probe, torch.stack(losses).max())
         ctx.is_causal, ctx.scaling, ctx.renormalize, ctx.groups = is_causal, scaling, renormalize, groups
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.has_mask = mask is not None
@@ -388,6 +415,9 @@ class QuantSavedAttention(torch.autograd.Function):
         groups, scaling = ctx.groups, ctx.scaling
         k_rep, v_rep = _repeat_kv(k, groups), _repeat_kv(v, groups)
         p = torch.exp(_scores(q, k_rep, mask, ctx.is_causal, scaling) - lse.unsqueeze(-1))
+        if ctx.probe is not None:
+            report, operands = ctx.probe
+            report(torch.maximum(operands, row_sum_loss(p)))
         if ctx.renormalize:
             total = p.sum(-1, keepdim=True)
             p = p / torch.where(total > 0, total, 1.0)
@@ -402,6 +432,7 @@ class QuantSavedAttention(torch.autograd.Function):
             d_q.to(q_dtype),
             _sum_groups(d_k, groups).to(k_dtype),
             _sum_groups(d_v, groups).to(v_dtype),
+            None,
             None,
             None,
             None,
@@ -428,15 +459,20 @@ def act_quant_attention(
             f"would need the dropout mask), got dropout={dropout}; set the model config's attention_dropout to 0"
         )
     unit = unit_of(module)
-    spec, renormalize = SaveSpec(UNQUANTIZED), False
+    spec, renormalize, probe = SaveSpec(UNQUANTIZED), False, None
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    is_causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     if isinstance(unit, ActQuantAttentionUnit):
         spec, renormalize = unit.current_spec(), unit.options.renormalize
         if torch.is_grad_enabled():
             unit.measure(query, key, value)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    is_causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
-    out = QuantSavedAttention.apply(query, key, value, attention_mask, is_causal, scaling, spec, renormalize)
+            if unit.measuring:
+                if unit.in_recovery:
+                    unit.report_fidelity(unit.shadow_loss(query, key, value, attention_mask, is_causal, scaling))
+                else:
+                    probe = unit.report_fidelity
+    out = QuantSavedAttention.apply(query, key, value, attention_mask, is_causal, scaling, spec, renormalize, probe)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -483,6 +519,10 @@ class ActQuantAttentionUnit(_SavesActivations):
     gradients of its q, k and v projection weights."""
 
     kind = "attention"
+    fidelity_bound = (
+        "saved q, k, v at low_bits and the probabilities the backward recomputes from them: max(relative L2 error "
+        "/ 2, row-sum bias / 0.1, mean |row sum - 1| / 0.1)"
+    )
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         if getattr(module.config, "attention_dropout", 0.0):
@@ -508,6 +548,29 @@ class ActQuantAttentionUnit(_SavesActivations):
                 "has no signal; exclude it or drop 'attention' from kinds"
             )
         return Signal("qkv_weight", trainable)
+
+    @torch.no_grad()
+    def shadow_loss(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+        scaling: float,
+    ) -> torch.Tensor:
+        """What the cheap path would lose on this forward's q, k, v (measured in recovery, where the backward runs
+        on the high_bits copies): the operands' loss and the row sums of the probabilities recomputed from the
+        low_bits q and k, exactly as the cheap path's backward would. One extra QK^T per recovered unit."""
+        spec = self.cheap_spec()
+        restored = [spec.restore(*spec.save(x)) for x in (q, k, v)]
+        groups = q.shape[1] // k.shape[1]
+        exact = _scores(q, _repeat_kv(k, groups), mask, is_causal, scaling)
+        lse = torch.logsumexp(exact, dim=-1)
+        lse = torch.where(torch.isneginf(lse), 0.0, lse)
+        p = torch.exp(_scores(restored[0], _repeat_kv(restored[1], groups), mask, is_causal, scaling) - lse[..., None])
+        operands = torch.stack([operand_loss(x, r) for x, r in zip((q, k, v), restored, strict=True)]).max()
+        return torch.maximum(operands, row_sum_loss(p))
 
     def _close(self) -> None:
         self._switch.release()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fidelity import operand_loss
 from ..quant import FORMATS, quantize_blocks
 from ..signals import SignalOptions
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
@@ -71,13 +72,24 @@ class BlockFPLinear(torch.autograd.Function):
         bias: torch.Tensor | None,
         fmt: GemmFormat,
         out_dtype: torch.dtype,
+        probe: Any = None,
     ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        out = fmt.operand(x2, 1) @ fmt.operand(weight, 1, weight=True).t()
+        xq, wq = fmt.operand(x2, 1), fmt.operand(weight, 1, weight=True)
+        out = xq @ wq.t()
         if bias is not None:
             out += bias
         ctx.save_for_backward(x, weight)
         ctx.fmt, ctx.has_bias = fmt, bias is not None
+        # probe: (the unit's fidelity report, its cheap format). The fprop operands' loss now, the dgrad operand's
+        # (the output gradient) in the backward, one report of the worst; on the recovery path the cheap format
+        # rounds them a second time, only to measure.
+        ctx.probe = None
+        if probe is not None:
+            report, cheap = probe
+            if cheap != fmt:
+                xq, wq = cheap.operand(x2, 1), cheap.operand(weight, 1, weight=True)
+            ctx.probe = (report, cheap, torch.maximum(operand_loss(x2, xq), operand_loss(weight, wq)))
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
 
     @staticmethod
@@ -89,24 +101,32 @@ class BlockFPLinear(torch.autograd.Function):
         # The backward runs outside the forward's autocast-off context; an enclosing autocast must not recast the
         # float32 emulated operands either.
         with torch.autocast(grad_out.device.type, enabled=False):
+            gq = fmt.operand(g2, 1) if ctx.needs_input_grad[0] or ctx.probe is not None else None
+            if ctx.probe is not None:
+                report, cheap, forward_loss = ctx.probe
+                cheap_g = gq if cheap == fmt else cheap.operand(g2, 1)
+                report(torch.maximum(forward_loss, operand_loss(g2, cheap_g)))
             if ctx.needs_input_grad[0]:
-                grad_x = fmt.operand(g2, 1) @ fmt.operand(weight, 0, weight=True)
+                grad_x = gq @ fmt.operand(weight, 0, weight=True)
                 grad_x = grad_x.reshape(x.shape).to(x.dtype)
             if ctx.needs_input_grad[1]:
                 x2 = x.reshape(-1, x.shape[-1])
                 grad_w = (fmt.operand(g2, 0).t() @ fmt.operand(x2, 0)).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = g2.sum(0, dtype=torch.float32).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
-def block_fp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fmt: GemmFormat) -> torch.Tensor:
+def block_fp_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fmt: GemmFormat, probe: Any = None
+) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with every GEMM input, forward and backward, rounded as `fmt` says. Under
-    autocast the output has autocast's dtype (as `nn.Linear`'s would), but the emulated GEMMs stay float32."""
+    autocast the output has autocast's dtype (as `nn.Linear`'s would), but the emulated GEMMs stay float32.
+    `probe`: (report, cheap format), to report the fidelity of the cheap format on these operands."""
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     with torch.autocast(device, enabled=False):
-        return BlockFPLinear.apply(x, weight, bias, fmt, out_dtype)
+        return BlockFPLinear.apply(x, weight, bias, fmt, out_dtype, probe)
 
 
 @dataclass
@@ -159,6 +179,10 @@ class BlockFPUnit(SwitchedUnit):
     `find_units(model, "block_fp")`, not directly."""
 
     options: BlockFPOptions
+    fidelity_bound = (
+        "GEMM inputs in low_format (input and weight of the fprop, output gradient of the dgrad): the worst of "
+        "max(relative L2 error / 2, row-sum bias / 0.1)"
+    )
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext[BlockFPOptions]) -> None:
         options = ctx.options
@@ -179,7 +203,8 @@ class BlockFPUnit(SwitchedUnit):
         m = self.module
         if not m.training and not self.options.quantize_eval:
             return F.linear(x, m.weight, m.bias)
-        return block_fp_linear(x, m.weight, m.bias, fmt)
+        probe = (self.report_fidelity, self.low) if self.measuring else None
+        return block_fp_linear(x, m.weight, m.bias, fmt, probe)
 
 
 def _output_head(ctx: DispatchContext) -> nn.Module | None:

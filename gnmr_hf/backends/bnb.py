@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fidelity import operand_loss
 from ..signals import SignalOptions
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
 from ._checkpoint import CheckpointSource
@@ -95,6 +96,9 @@ class BnbUnit(SwitchedUnit):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "source": self.source}
 
+    def precision(self) -> str:
+        return f"{self.weight_kind}/bf16"
+
     def recovery_bytes(self) -> int:
         # The bias is cast per forward rather than held, but it is the same bytes and keeps the count an upper bound.
         bias = 0 if self.module.bias is None else self.module.bias.numel()
@@ -141,6 +145,13 @@ class BnbInt8Unit(BnbUnit):
     """One bitsandbytes `Linear8bitLt`: INT8 matmul on the cheap path, BF16 matmul in recovery."""
 
     weight_kind = "INT8"
+    fidelity_bound = (
+        "input as LLM.int8() rounds it (per-row absmax INT8; columns with an entry above the outlier threshold run "
+        "in 16 bits and are left out): max(relative L2 error / 2, row-sum bias / 0.1)"
+    )
+
+    def input_fidelity(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_input_loss(x, float(getattr(self.module.state, "threshold", 0.0) or 0.0))
 
     @staticmethod
     def _unsupported(module: nn.Module) -> str | None:
@@ -195,6 +206,17 @@ class Bnb4bitUnit(BnbUnit):
             raise RuntimeError(f"bnb_4bit unit {self.name!r}: cannot dequantize: {problem}")
         # Reads the packed codes and the quant state; the nested absmax is dequantized into a new tensor.
         return bnb_functional.dequantize_4bit(self.module.weight.data, self.module.weight.quant_state)
+
+
+def int8_input_loss(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """`operand_loss` of LLM.int8()'s input rounding: per-row absmax to INT8 codes in [-127, 127], after the outlier
+    columns (an entry of magnitude >= `threshold`, when it is > 0) are taken out to the 16-bit matmul."""
+    rows = x.detach().reshape(-1, x.shape[-1]).float()
+    if threshold > 0:
+        rows = torch.where((rows.abs() >= threshold).any(dim=0), 0.0, rows)
+    scale = rows.abs().amax(dim=1, keepdim=True) / 127
+    rounded = torch.round(rows / torch.where(scale > 0, scale, 1.0)) * scale
+    return operand_loss(rows, rounded)
 
 
 # ------------------------------------------------------------------------------------------------- row checks

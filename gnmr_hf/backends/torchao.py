@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fidelity import operand_loss
 from ..signals import SignalOptions, signal_option
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
 
@@ -31,6 +32,18 @@ class Float8Unit(SwitchedUnit):
     """One torchao `Float8Linear`: its FP8 matmuls on the cheap path, `F.linear` on the same master weight in
     recovery, in autocast's dtype under autocast (as the unconverted `nn.Linear`), else the weight's."""
 
+    fidelity_bound = (
+        "input cast to float8 e4m3 as the default (tensorwise) recipe casts it, emulated: max(relative L2 error / 2, "
+        "row-sum bias / 0.1); a rowwise recipe is measured per row"
+    )
+
+    def precision(self) -> str:
+        return "float8/high"
+
+    def input_fidelity(self, x: torch.Tensor) -> torch.Tensor:
+        rowwise = "AXISWISE" in str(getattr(self.module.config.cast_config_input, "scaling_granularity", ""))
+        return float8_input_loss(x, rowwise)
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "emulate": bool(self.module.config.emulate)}
 
@@ -44,6 +57,16 @@ class Float8Unit(SwitchedUnit):
         # The casts are no-ops in the usual case; autograd carries the gradient through them to the master weight.
         out = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
         return out.to(out_dtype)
+
+
+def float8_input_loss(x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
+    """`operand_loss` of a float8 e4m3 cast with absmax scaling (one scale per tensor, or per row)."""
+    rows = x.detach().reshape(-1, x.shape[-1]).float()
+    amax = rows.abs().amax(dim=1, keepdim=True) if rowwise else rows.abs().amax()
+    top = torch.finfo(torch.float8_e4m3fn).max
+    scale = torch.where(amax > 0, top / amax.clamp_min(1e-12), 1.0)
+    rounded = (rows * scale).clamp(-top, top).to(torch.float8_e4m3fn).float() / scale
+    return operand_loss(rows, rounded)
 
 
 def _float8_unit(module: nn.Module, ctx: DispatchContext) -> type[RecoverableUnit] | None:

@@ -57,6 +57,10 @@ def recovery_gaps(model: nn.Module, units: Sequence[RecoverableUnit], batch: dic
             owners.append(i)
             tensors.append(t)
     was_recovering = [u.in_recovery for u in units]
+    # The probe's passes are not training steps: the units' fidelity measurements (policy="cause") pause.
+    was_measuring = [u.measure_fidelity for u in units]
+    for unit in units:
+        unit.measure_fidelity = False
     ledgers = {id(u.ledger): (u.ledger, u.ledger.peak_bytes) for u in units}
     try:
         with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
@@ -74,6 +78,8 @@ def recovery_gaps(model: nn.Module, units: Sequence[RecoverableUnit], batch: dic
                 unit.exit_recovery()
         for ledger, peak in ledgers.values():
             ledger.peak_bytes = peak
+        for unit, measuring in zip(units, was_measuring, strict=True):
+            unit.measure_fidelity = measuring
     squares = torch.zeros(len(units), dtype=torch.float64)
     seen = torch.zeros(len(units), dtype=torch.bool)
     for i, g_low, g_high in zip(owners, low, high, strict=True):
@@ -114,7 +120,11 @@ class OracleCallback(TrainerCallback):
         gaps = recovery_gaps(model, self.owner.units, batch)
         risk = [0.0] * len(self.owner.units)
         decision = self.owner.last_decision
-        if decision is not None:
+        if decision is not None and decision.cause is not None:
+            # The cause policy ranks by fidelity (what the cheap path loses), not by GNMR's risk.
+            for i, r in decision.cause["severity"]:
+                risk[i] = r
+        elif decision is not None:
             for i, r in zip(decision.top_units.tolist(), decision.top_risks.tolist(), strict=True):
                 risk[i] = r
         self.records.append(

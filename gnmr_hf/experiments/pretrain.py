@@ -19,7 +19,8 @@ same code path, and differ only in precision policy. This module provides exactl
 - **Trainer setup** (`PRESETS`, `training_arguments`): AdamW (betas 0.9/0.95, no weight decay), linear warm-up then
   cosine decay, global clipping at 1.0, fp32, CPU.
 - **Arms** (`ARMS`, `arm_callbacks`): `reference` (no units at all: the plain fp32 model), `static_low`,
-  `static_high`, `gnmr`, `gnmr_relapse` (the relapse-aware lock), `random`, `carve_first_last`, `carve_best`,
+  `static_high`, `gnmr`, `gnmr_relapse` (the relapse-aware lock), `gnmr_cause` (the cause policy), `random`,
+  `carve_first_last`, `carve_best`,
   `carve_named` (units chosen by regex) and `global_z` — every arm but the reference runs `GNMRCallback`'s code path
   over the same units (`gnmr_hf.experiments.baselines`).
 - **Measurement** (`StepMeter`, `SavedTensorMeter`, `run_arm`): seconds per optimizer step (median), bytes saved for
@@ -95,6 +96,7 @@ ARMS = (
     "static_low",
     "gnmr",
     "gnmr_relapse",
+    "gnmr_cause",
     "random",
     "carve_first_last",
     "carve_best",
@@ -478,6 +480,8 @@ def arm_callbacks(
         return [GNMRCallback(config)]
     if arm == "gnmr_relapse":
         return [GNMRCallback(dataclasses.replace(config, relapse_lock=True))]
+    if arm == "gnmr_cause":
+        return [GNMRCallback(dataclasses.replace(config, policy="cause"))]
     if arm in ("static_low", "static_high"):
         return [GNMRCallback(config, selection=StaticPolicy(high=arm == "static_high"))]
     if arm == "global_z":

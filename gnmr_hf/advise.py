@@ -1,0 +1,171 @@
+"""`gnmr-hf advise TRACE`: turn a run into a static carve-out a user can keep.
+
+    gnmr-hf advise runs/attn/gnmr_cause/seed0/gnmr_trace.jsonl
+
+A unit the run *needed persistently* spent at least `--min_share` of the steps from its first entry into recovery to
+the end of the run on the recovery path (default 0.5): what a static rule should keep off the cheap path. For those
+units it prints the evidence (steps recovered, first entry, entries, why the cause policy recovered them, the
+fidelity it measured, the units whose symptoms it was blamed for), then the same carve-out three ways: this
+package's `exclude` patterns, a torchao `module_filter_fn`, and bitsandbytes' `llm_int8_skip_modules`; and, for
+every unit, the precision it actually ran in (the share of steps on each path). Every pattern printed is checked
+against the trace's unit names, and so is every `--expect` pattern (a carve-out the user already has): one that
+matches no unit is an error (exit status 2), not silence, since a filter that silently matches nothing is how a
+carve-out gets lost (torchtitan PR #4008, accelerate PR #4147).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .trace import read_trace
+
+__all__ = ["Advice", "advise", "main"]
+
+
+@dataclass
+class UnitEvidence:
+    """What a trace says about one unit."""
+
+    name: str
+    recovered: int = 0
+    first_entry: int | None = None
+    entries: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+    sources: Counter[str] = field(default_factory=Counter)
+    fidelity: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Advice:
+    steps: int
+    units: list[UnitEvidence]
+    persistent: list[UnitEvidence]
+    paths: list[str]
+    backend: str
+
+    @property
+    def names(self) -> list[str]:
+        return [u.name for u in self.persistent]
+
+
+def advise(path: str, min_share: float = 0.5) -> Advice:
+    """Read a GNMR trace and find the units it needed persistently (see the module docstring)."""
+    header, records = read_trace(path)
+    steps = [r for r in records if r.get("type") == "step"]
+    if not steps:
+        raise ValueError(f"{path}: the trace has no steps")
+    names = list(header["units"])
+    units = [UnitEvidence(n) for n in names]
+    for record in steps:
+        step = int(record["step"])
+        for i in record["active"]:
+            units[i].recovered += 1
+        for i in record["entered"]:
+            units[i].entries += 1
+            if units[i].first_entry is None:
+                units[i].first_entry = step
+        cause = record.get("cause")
+        if cause:
+            entered = set(record["entered"])
+            for i, reason, source in cause["why"]:
+                if i in entered:
+                    units[i].reasons[reason] += 1
+                    if source >= 0:
+                        units[i].sources[names[source]] += 1
+            for i, value in cause["severity"]:
+                units[i].fidelity.append(float(value))
+    last = int(steps[-1]["step"])
+    persistent = [
+        u for u in units if u.first_entry is not None and u.recovered >= min_share * (last - u.first_entry + 1)
+    ]
+    paths = header.get("paths") or ["low/high"] * len(names)
+    return Advice(len(steps), units, persistent, list(paths), str(header.get("backend", "")))
+
+
+def _pattern(name: str) -> str:
+    return "^" + re.escape(name) + "$"
+
+
+def _unmatched(patterns: Sequence[str], names: Sequence[str]) -> list[str]:
+    """The patterns of `patterns` that match no name (as `find_units` searches them)."""
+    return [p for p in patterns if not any(re.search(p, n) for n in names)]
+
+
+def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list[str]]:
+    """The printed report and the list of errors (patterns that match no unit)."""
+    all_names = [u.name for u in advice.units]
+    lines = [f"GNMR advice: {len(advice.units)} {advice.backend} units, {advice.steps} steps"]
+    if not advice.persistent:
+        lines.append("no unit needed the recovery path persistently: nothing to carve out")
+    else:
+        lines.append(f"units the run needed persistently ({len(advice.persistent)}):")
+        for u in advice.persistent:
+            share = u.recovered / advice.steps
+            why = ", ".join(f"{r} x{c}" for r, c in u.reasons.most_common()) or "-"
+            fid = f"median fidelity {statistics.median(u.fidelity):.3g}" if u.fidelity else "fidelity not traced"
+            blamed = ", ".join(f"{s} x{c}" for s, c in u.sources.most_common(3))
+            lines.append(
+                f"  {u.name}: {u.recovered}/{advice.steps} steps recovered ({share:.0%}), first at step "
+                f"{u.first_entry}, {u.entries} entries; why: {why}; {fid}"
+                + (f"; symptoms in: {blamed}" if blamed else "")
+            )
+        patterns = [_pattern(n) for n in advice.names]
+        lines += [
+            "",
+            "# gnmr_hf (GNMRConfig / find_units): keep these off the managed cheap path",
+            f"exclude = {patterns!r}",
+            "",
+            "# torchao: convert_to_float8_training(model, config=..., module_filter_fn=module_filter_fn)",
+            "CARVE_OUT = {" + ", ".join(map(repr, advice.names)) + "}",
+            "def module_filter_fn(module, fqn):",
+            "    return fqn not in CARVE_OUT",
+            "",
+            "# bitsandbytes: BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=...)",
+            f"llm_int8_skip_modules = {advice.names!r}",
+        ]
+    lines += ["", "precision each unit ran in (cheap path / recovery path, share of steps):"]
+    width = max(len(n) for n in all_names)
+    for u, paths in zip(advice.units, advice.paths, strict=True):
+        cheap, _, high = (f"{p}-bit" if p.isdigit() else p for p in paths.partition("/"))
+        share = u.recovered / advice.steps
+        lines.append(f"  {u.name:<{width}}  {cheap} {1 - share:.1%} / {high or '?'} {share:.1%}")
+    errors = [
+        f"pattern {p!r} ({what}) matches no unit"
+        for what, pats in (("advised", [_pattern(n) for n in advice.names]), ("--expect", list(expect)))
+        for p in _unmatched(pats, all_names)
+    ]
+    return "\n".join(lines), errors
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gnmr-hf advise", description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", help="A gnmr_trace.jsonl written by GNMRCallback (a policy='cause' one says why).")
+    parser.add_argument(
+        "--min_share",
+        type=float,
+        default=0.5,
+        help="A unit is needed persistently when it was recovered in at least this share of the steps from its first "
+        "entry on (default 0.5).",
+    )
+    parser.add_argument(
+        "--expect", nargs="*", default=[], help="Regexes of a carve-out you already use; each must match some unit."
+    )
+    args = parser.parse_args(argv)
+    if not 0 < args.min_share <= 1:
+        parser.error(f"--min_share must be in (0, 1], got {args.min_share}")
+    try:
+        advice = advise(args.trace, args.min_share)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        print(f"gnmr-hf advise: {err}", file=sys.stderr)
+        return 2
+    text, errors = format_advice(advice, args.expect)
+    print(text)
+    for error in errors:
+        print(f"gnmr-hf advise: error: {error}", file=sys.stderr)
+    return 2 if errors else 0

@@ -1,0 +1,205 @@
+"""The cause policy (`GNMRConfig(policy="cause")`): spend the budget where the cheap path loses, not where it shows.
+
+Beside the paper's per-unit gradient scores the controller gets each unit's *fidelity* (what its cheap path loses
+this step, in units of its backend's bound; `gnmr_hf.fidelity`) and the units' relations (`UnitRelations`: families
+of units that share a gradient path, peers that are the same unit in other layers). `cause_step` then recovers:
+
+- a unit whose fidelity is past its bound, or far past its peers' (broken, with or without a symptom: a unit broken
+  from the start never deviates from its own past, so the paper's scores never see it);
+- for a gradient-side symptom (GNMR or DGNMR over its threshold), the unit of the symptom's family whose cheap path
+  loses the most, if it loses enough to be suspect; a symptom with no suspect in its family is noise and spends
+  nothing; a unit that measures nothing (a backend without a fidelity signal) falls back to the paper's rule;
+
+and holds a recovered unit while its fidelity (measured on its cheap path's rounding even in recovery) stays suspect,
+releasing it `lock_length` healthy steps after; a unit that relapses within `lock_steps` of leaving gets twice its
+last lock (up to `relapse_lock_cap`). Every decision and why: docs/method.md, "The cause policy". Pure torch, no host
+sync, a fixed number of ops per step.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["REASONS", "UnitRelations", "cause_step"]
+
+# Why a unit is in the recovery set (`Decision.reason`), by code.
+REASONS = ("", "broken", "peer", "cause", "symptom", "held", "countdown")
+_BROKEN, _PEER, _CAUSE, _SYMPTOM, _HELD, _COUNTDOWN = range(1, 7)
+# An active unit's ranking key is multiplied by this: a newcomer must lose clearly more to take its place, so units of
+# similar fidelity do not swap places every step.
+_INCUMBENT = 1.25
+_MIN_PEERS = 3
+_LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+@dataclass(frozen=True)
+class UnitRelations:
+    """How the units are related, as ids per unit (controller order).
+
+    `families`: units of one family share a gradient path: they are the units under one parent module, after a
+    unit nested in another unit (a projection inside an attention unit) is counted as that outer unit. A layer's
+    q/k/v/o projections and its attention unit are one family, its gate/up/down projections another.
+    `peers`: units of one peer group are the same unit in other layers (name with the layer index removed, and the
+    same kind), compared with each other when the group has at least 3 members.
+    """
+
+    families: tuple[int, ...]
+    peers: tuple[int, ...]
+    family_names: tuple[str, ...]
+    peer_names: tuple[str, ...]
+
+    @classmethod
+    def from_names(cls, names: Sequence[str], kinds: Sequence[str] | None = None) -> UnitRelations:
+        kinds = list(kinds) if kinds is not None else [""] * len(names)
+        units = set(names)
+        family_of, peer_of = [], []
+        for name, kind in zip(names, kinds, strict=True):
+            parts = name.split(".")
+            outer = next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in units), name)
+            family_of.append(outer.rsplit(".", 1)[0] if "." in outer else "")
+            peer_of.append(f"{_LAYER_INDEX.sub('*', name)}|{kind}")
+        (families, family_names), (peers, peer_names) = _ids(family_of), _ids(peer_of)
+        return cls(families, peers, family_names, peer_names)
+
+    @classmethod
+    def independent(cls, num_units: int) -> UnitRelations:
+        """No relations known: every unit its own family, all units one peer group."""
+        return cls(tuple(range(num_units)), (0,) * num_units, tuple(map(str, range(num_units))), ("",))
+
+    def device_tensors(self, device: torch.device) -> dict[str, Any]:
+        """The relations as device tensors: family ids; a [G, M] index matrix of the peer groups with at least
+        `_MIN_PEERS` members (-1 padding) and each unit's row in it (-1: no such group)."""
+        groups: dict[int, list[int]] = {}
+        for i, g in enumerate(self.peers):
+            groups.setdefault(g, []).append(i)
+        big = [members for members in groups.values() if len(members) >= _MIN_PEERS]
+        width = max((len(m) for m in big), default=1)
+        index = torch.full((max(len(big), 1), width), -1, dtype=torch.long)
+        row_of = torch.full((len(self.peers),), -1, dtype=torch.long)
+        for row, members in enumerate(big):
+            index[row, : len(members)] = torch.tensor(members)
+            row_of[members] = row
+        return {
+            "families": torch.tensor(self.families, dtype=torch.long, device=device),
+            "num_families": len(self.family_names),
+            "peer_index": index.to(device),
+            "peer_row": row_of.to(device),
+            "has_peers": bool(big),
+        }
+
+
+def _ids(labels: list[str]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    order: dict[str, int] = {}
+    ids = tuple(order.setdefault(label, len(order)) for label in labels)
+    return ids, tuple(order)
+
+
+def _per_family(values: torch.Tensor, families: torch.Tensor, count: int, reduce: str, fill: float) -> torch.Tensor:
+    """[F] reduction of `values` over each family (`amax` / `amin`), `fill` for an empty one."""
+    out = torch.full((count,), fill, dtype=values.dtype, device=values.device)
+    return out.scatter_reduce(0, families, values, reduce=reduce, include_self=True)
+
+
+def cause_step(
+    *,
+    t: int,
+    fidelity: torch.Tensor | None,
+    risky: torch.Tensor,
+    risk: torch.Tensor,
+    broken_norm: torch.Tensor,
+    active: torch.Tensor,
+    locks: torch.Tensor,
+    lock_length: torch.Tensor,
+    exited_at: torch.Tensor,
+    relations: dict[str, Any],
+    max_active: int,
+    lock_steps: int,
+    lock_cap: int,
+    suspect: float,
+    peer_factor: float,
+    top_indices: Callable[[torch.Tensor, int], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """One step of the cause policy; returns the new `active`, `locks`, `lock_length`, `exited_at` and, per unit,
+    `severity` (the fidelity used, NaN where unmeasured), `reason` (int8 codes of `REASONS`) and `source` (for a
+    cause: the riskiest symptomatic unit of its family, else -1). `top_indices(key, k)`: the controller's ranking
+    (the k largest keys, ties to the lower index)."""
+    n = risky.numel()
+    device = risky.device
+    index = torch.arange(n, device=device)
+    sev = (
+        torch.full((n,), torch.nan, dtype=torch.float64, device=device)
+        if fidelity is None
+        else fidelity.to(torch.float64)
+    )
+    measured = ~sev.isnan()
+    s = sev.nan_to_num(nan=0.0, posinf=1e300)
+
+    # Peers: far past the median of the same unit in other layers (and suspect: a tiny loss several times another
+    # tiny loss is no problem).
+    if relations["has_peers"]:
+        grid, row = relations["peer_index"], relations["peer_row"]
+        medians = torch.where(grid >= 0, sev[grid.clamp_min(0)], torch.nan).nanmedian(dim=1).values
+        median = torch.where(row >= 0, medians[row.clamp_min(0)], torch.nan)
+        peer_bad = measured & (s > suspect) & (s > peer_factor * median.nan_to_num(nan=torch.inf))
+    else:
+        peer_bad = torch.zeros(n, dtype=torch.bool, device=device)
+    absolute = measured & (s > 1.0)
+    broken = absolute | peer_bad
+    unhealthy = broken | (measured & (s > suspect))
+
+    # Attribution: in a family with a symptom, the unit whose cheap path loses most (lowest index on a tie) is the
+    # cause, if it is suspect. A unit that cannot measure keeps the paper's rule when its family has no suspect.
+    families, count = relations["families"], relations["num_families"]
+    fam_max = _per_family(torch.where(measured, s, -1.0), families, count, "amax", -1.0)
+    is_max = measured & (s == fam_max[families])
+    first = _per_family(torch.where(is_max, index, n), families, count, "amin", n)
+    fam_symptom = _per_family(torch.where(risky, risk, -1.0), families, count, "amax", -1.0)
+    symptom_in_family = fam_symptom[families] >= 0
+    cause = is_max & (index == first[families]) & symptom_in_family & (s > suspect)
+    fallback = risky & ~measured & ~(fam_max[families] > suspect)
+    source_first = _per_family(
+        torch.where(risky & (risk == fam_symptom[families]), index, n), families, count, "amin", n
+    )
+    source = torch.where(cause, source_first[families], -1)
+
+    # Locks: an active unit that is still unhealthy (or, unmeasured, still risky) gets its full lock again; the others
+    # count down. A unit entering within lock_steps of its last exit (a relapse) gets twice its last lock.
+    countdown = (locks - 1).clamp_min(0)
+    entering = (broken | cause | fallback | broken_norm) & ~active
+    relapse = entering & (t - exited_at <= lock_steps)
+    lock_length = torch.where(
+        relapse, (lock_length * 2).clamp_max(lock_cap), torch.where(entering, lock_steps, lock_length)
+    ).to(torch.int32)
+    renew = entering | (active & (unhealthy | (~measured & risky) | broken_norm))
+    candidates = broken | cause | fallback | broken_norm | (active & (renew | (countdown > 0)))
+    key = torch.where(measured, s, risk).nan_to_num(nan=0.0, posinf=1e300)
+    key = torch.where(broken_norm, 1e300, key) * torch.where(active, _INCUMBENT, 1.0)
+    top = top_indices(torch.where(candidates, key, -1.0), max_active)
+    selected = torch.zeros_like(candidates).index_fill_(0, top, True) & candidates
+    new_locks = torch.where(selected, torch.where(renew, lock_length, countdown), 0).to(torch.int32)
+    exited_at = torch.where(active & ~selected, t, exited_at)
+
+    reason = torch.zeros(n, dtype=torch.int8, device=device)
+    for code, mask in (
+        (_COUNTDOWN, selected),
+        (_HELD, selected & active & renew),
+        (_SYMPTOM, selected & (fallback | broken_norm)),
+        (_CAUSE, selected & cause),
+        (_PEER, selected & peer_bad),
+        (_BROKEN, selected & absolute),
+    ):
+        reason = torch.where(mask, code, reason).to(torch.int8)
+    return {
+        "active": selected,
+        "locks": new_locks,
+        "lock_length": lock_length,
+        "exited_at": exited_at,
+        "severity": sev,
+        "reason": reason,
+        "source": source,
+    }

@@ -1,0 +1,476 @@
+"""The cause policy (`GNMRConfig(policy="cause")`): each backend's fidelity signal on cases with a known answer, the
+policy's rules on hand-written streams (attribution, chronic units, hold and release, idleness, resume), end-to-end
+runs with a planted cause, and `gnmr-hf advise` on a known trace."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from gnmr_hf import GNMRConfig, GNMRController, find_units
+from gnmr_hf.advise import main as advise_main
+from gnmr_hf.backends.act_quant import SaveSpec
+from gnmr_hf.backends.bnb import int8_input_loss
+from gnmr_hf.backends.torchao import float8_input_loss
+from gnmr_hf.cause import UnitRelations
+from gnmr_hf.cli import main as cli_main
+from gnmr_hf.experiments.pretrain import build_model, llama_config
+from gnmr_hf.fidelity import operand_loss, relative_error, row_sum_loss, sum_bias
+from gnmr_hf.signals import UnitSignals
+
+from trainer_utils import make_trainer, steps_of
+
+# One layer: an attention unit (index 0) and its four projections; one MLP family (5-7); another layer's attention.
+NAMES = [
+    "model.layers.0.self_attn",
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.self_attn.k_proj",
+    "model.layers.0.self_attn.v_proj",
+    "model.layers.0.self_attn.o_proj",
+    "model.layers.0.mlp.gate_proj",
+    "model.layers.0.mlp.up_proj",
+    "model.layers.0.mlp.down_proj",
+]
+KINDS = ["attention"] + ["linear"] * 7
+CAUSE = dict(max_active=2, lock_steps=3, window=2, min_history=2, alpha=2.0, beta=1e9, policy="cause")
+
+
+def controller(names=NAMES, kinds=KINDS, **overrides) -> GNMRController:
+    config = GNMRConfig(**{**CAUSE, **overrides})
+    return GNMRController(config, len(names), relations=UnitRelations.from_names(names, kinds))
+
+
+def step(ctl: GNMRController, norms, fidelity):
+    decision = ctl.observe(torch.tensor(norms, dtype=torch.float64), None, torch.tensor(fidelity, dtype=torch.float32))
+    return decision.to_host(top_k=4)
+
+
+def active_names(host, names=NAMES) -> list[str]:
+    return [names[i].removeprefix("model.layers.0.") for i in host.active]
+
+
+# ------------------------------------------------------------------------------------------- fidelity measures
+
+
+def test_relative_error_and_sum_bias_have_their_textbook_values():
+    exact = torch.tensor([[3.0, 4.0], [1.0, -1.0]])
+    rounded = torch.tensor([[3.0, 3.0], [1.0, -1.0]])
+    assert relative_error(exact, rounded).item() == pytest.approx(1 / math.sqrt(27))
+    # Row 0: sum moves by 1 of an L1 mass of 7; row 1 is exact.
+    assert sum_bias(exact, rounded).item() == pytest.approx((1 / 7) / 2)
+    assert operand_loss(exact, exact).item() == 0.0
+    assert operand_loss(exact, torch.full_like(exact, math.nan)).item() == math.inf
+
+
+def test_row_sum_loss_is_the_mean_distance_of_the_row_sums_from_one_in_units_of_a_tenth():
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.6, 0.6, 0.0], [0.0, 0.0, 0.0]])  # the empty row (fully masked) is skipped
+    assert row_sum_loss(p).item() == pytest.approx((0.0 + 0.2) / 2 / 0.1)
+
+
+def test_act_quant_linear_fidelity_is_zero_for_an_exact_copy_and_known_for_a_blown_scale():
+    x = torch.arange(-127.0, 128.0).reshape(5, 51)  # absmax 127: every value is an INT8 code
+    assert SaveSpec(8).loss(x).item() == 0.0
+    # Every row's scale x3 on an unquantized copy: error 2 (bound 2 -> 1), each row's sum x3 (bias 2 * |sum| / L1).
+    blown = SaveSpec(16, fault_scale=3.0, fault_stride=1)
+    bias = (2 * x.sum(-1).abs() / x.abs().sum(-1)).mean()
+    assert blown.loss(x).item() == pytest.approx(max(1.0, bias.item() / 0.1))
+
+
+def test_an_act_quant_linear_unit_reports_its_cheap_path_loss_on_both_paths():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16))
+    (unit,) = find_units(model, "act_quant", low_bits=2, high_bits=8)
+    unit.start_measuring()
+    x = torch.randn(8, 16)
+    expected = SaveSpec(2).loss(x).item()
+    model(x).sum().backward()
+    assert unit.take_fidelity().item() == pytest.approx(expected)
+    unit.enter_recovery()  # recovery saves 8 bits, but what is measured is what the 2-bit cheap path would lose
+    model(x).sum().backward()
+    assert unit.take_fidelity().item() == pytest.approx(expected)
+    assert unit.take_fidelity() is None  # taken: reset
+    with torch.no_grad():
+        model(x)  # evaluation passes measure nothing
+    assert unit.take_fidelity() is None
+
+
+def _small_llama():
+    return build_model(llama_config(d_model=32, n_layers=2, n_heads=2, seq_len=16, vocab_size=64), seed=0)
+
+
+def test_an_attention_unit_reports_how_far_its_recomputed_rows_are_from_summing_to_one():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = _small_llama()
+    units = find_units(model, "act_quant", include=[r"\.self_attn$"], kinds=["attention"], low_bits=16, high_bits=16)
+    for unit in units:
+        unit.start_measuring()
+    model(input_ids=ids, labels=ids).loss.backward()
+    # Unquantized q, k, v: the rows sum to 1 up to float32 rounding.
+    assert all(u.take_fidelity().item() < 1e-4 for u in units)
+    # A fault that doubles the saved q (and k, v) of layer 0: the recomputed logits are 4x the exact ones.
+    units[0].fault_scale = 2.0
+    model(input_ids=ids, labels=ids).loss.backward()
+    cheap = units[0].take_fidelity().item()
+    assert cheap > 1.0 and units[1].take_fidelity().item() < 1e-4
+    # In recovery the unit measures the same loss on its (shadow) cheap-path copy of the same forward.
+    units[0].enter_recovery()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert units[0].take_fidelity().item() == pytest.approx(cheap, rel=1e-5)
+    units.close()
+
+
+def test_a_block_fp_unit_reports_the_bias_of_a_tile_whose_small_entries_flush_to_zero():
+    linear = nn.Linear(128, 1, bias=False)
+    with torch.no_grad():
+        linear.weight.fill_(6.0)  # FP4 e2m1 represents 6 exactly (one 128x128 block, scale 1)
+    (unit,) = find_units(nn.Sequential(linear), "block_fp", low_format="e2m1", high_format="e4m3")
+    unit.start_measuring()
+    x = torch.full((1, 128), 0.1)
+    x[0, 0] = 6.0  # the tile's scale is 1: 0.1 is below half of e2m1's smallest step (0.5) and flushes to 0
+    linear(x).sum().backward()  # the output gradient, 1, is exact
+    flushed = 127 * 0.1
+    expected = max((flushed / (6 + flushed)) / 0.1, relative_error(x, torch.nn.functional.pad(x[:, :1], (0, 127))) / 2)
+    assert unit.take_fidelity().item() == pytest.approx(float(expected), rel=1e-5)
+    unit.enter_recovery()  # e4m3 in recovery; the shadow e2m1 copy loses the same
+    linear(x).sum().backward()
+    assert unit.take_fidelity().item() == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_bnb_int8_fidelity_is_llm_int8_rounding_of_the_input_without_its_outlier_columns():
+    x = torch.arange(-127.0, 128.0).reshape(1, 255)
+    assert int8_input_loss(x, threshold=0.0).item() == 0.0  # row absmax 127: every entry is a code
+    x = torch.tensor([[1.0, 0.5, 100.0], [0.25, 1.0, 100.0]])
+    # Column 2 is an outlier column (>= 6): it runs in 16 bits; the rest, with absmax 1, rounds to INT8.
+    rows = x[:, :2]
+    rounded = torch.round(rows * 127) / 127
+    expected = max(relative_error(rows, rounded).item() / 2, sum_bias(rows, rounded).item() / 0.1)
+    assert int8_input_loss(x, threshold=6.0).item() == pytest.approx(expected)
+
+
+def test_torchao_float8_fidelity_is_the_e4m3_rounding_of_the_input():
+    assert float8_input_loss(torch.tensor([[448.0, 1.0, -2.0]])).item() == 0.0  # scale 1: exact e4m3 values
+    # 1.0625 lies half-way between e4m3's 1.0 and 1.125 and rounds to the even 1.0.
+    x = torch.tensor([[448.0, 1.0625]])
+    bias = 0.0625 / (448 + 1.0625)
+    assert float8_input_loss(x).item() == pytest.approx(bias / 0.1, rel=1e-4)
+
+
+def test_unit_signals_gather_the_fidelity_in_the_same_pass_as_the_norms():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    units = find_units(model, "act_quant", low_bits=2)
+    units[0].start_measuring()  # only the first unit measures
+    signals = UnitSignals(units)
+    model(torch.randn(3, 4)).sum().backward()
+    signals.compute()
+    assert signals.fidelity is not None and signals.fidelity[0] > 0 and signals.fidelity[1].isnan()
+    signals.compute()
+    assert signals.fidelity is None  # nothing measured since
+
+
+# --------------------------------------------------------------------------------------------- the policy
+
+
+def test_units_are_related_by_family_and_compared_with_their_peers_in_other_layers():
+    names = [*NAMES, *(n.replace("layers.0", "layers.1") for n in NAMES), "lm_head"]
+    relations = UnitRelations.from_names(names, [*KINDS, *KINDS, "linear"])
+    family = dict(zip(names, (relations.family_names[f] for f in relations.families), strict=True))
+    # An attention unit and its projections share the layer's family; the MLP is a family of its own.
+    assert family["model.layers.0.self_attn"] == family["model.layers.0.self_attn.q_proj"] == "model.layers.0"
+    assert family["model.layers.0.mlp.down_proj"] == "model.layers.0.mlp"
+    assert family["lm_head"] == ""
+    peers = dict(zip(names, (relations.peer_names[p] for p in relations.peers), strict=True))
+    assert peers["model.layers.1.mlp.down_proj"] == peers["model.layers.0.mlp.down_proj"] != peers["lm_head"]
+
+
+def test_a_symptom_is_attributed_to_the_related_unit_whose_cheap_path_loses_most():
+    ctl = controller()
+    healthy = [0.2] * 8
+    for _ in range(3):
+        step(ctl, [1.0] * 8, healthy)
+    # q_proj's gradient spikes (the symptom); the attention unit above it loses 0.7 of its bound (the cause).
+    host = step(ctl, [1.0, 10.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [0.7, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2])
+    assert active_names(host) == ["self_attn"]
+    assert host.cause["why"] == [[0, "cause", 1]]
+
+
+def test_a_symptom_without_a_lossy_related_unit_is_noise_and_spends_nothing():
+    ctl = controller()
+    for _ in range(3):
+        step(ctl, [1.0] * 8, [0.2] * 8)
+    host = step(ctl, [1.0, 10.0, 1.0, 1.0, 1.0, 1.0, 10.0, 1.0], [0.2] * 8)
+    assert list(host.risky) == [1, 6] and list(host.active) == []
+
+
+def test_a_unit_that_measures_nothing_keeps_the_papers_rule():
+    ctl = controller()
+    for _ in range(3):
+        step(ctl, [1.0] * 8, [math.nan] * 8)
+    host = step(ctl, [1.0, 10.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [math.nan] * 8)
+    assert list(host.active) == [1] and host.cause["why"] == [[1, "symptom", -1]]
+
+
+def test_a_unit_broken_from_the_start_is_recovered_at_the_first_step_though_its_gnmr_never_rises():
+    ctl = controller()
+    lossy = [0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 1.8]  # down_proj's cheap path is past its bound from step 1
+    hosts = [step(ctl, [1.0] * 8, lossy) for _ in range(20)]
+    assert all(active_names(h) == ["mlp.down_proj"] for h in hosts)
+    assert all(h.cause["why"] == [[7, "broken", -1]] for h in hosts)
+    assert not any(len(h.risky) for h in hosts)
+
+
+def test_a_unit_far_worse_than_its_peers_in_other_layers_is_broken():
+    names = [f"model.layers.{i}.mlp.down_proj" for i in range(4)]
+    ctl = controller(names, ["linear"] * 4)
+    host = step(ctl, [1.0] * 4, [0.1, 0.12, 0.6, 0.11])  # under the bound, but 5x its peers' median
+    assert list(host.active) == [2] and host.cause["why"] == [[2, "peer", -1]]
+
+
+def test_a_held_unit_is_released_only_lock_steps_after_its_fidelity_is_healthy_again():
+    ctl = controller()
+    lossy, healthy = [0.2] * 7 + [1.8], [0.2] * 8
+    stream = [lossy] * 10 + [healthy] * 6
+    hosts = [step(ctl, [1.0] * 8, f) for f in stream]
+    in_recovery = [7 in h.active for h in hosts]
+    # Held for as long as it is lossy, whatever lock_steps (3) says; then 3 healthy steps and out.
+    assert in_recovery == [True] * 10 + [True, True, False, False, False, False]
+
+
+def test_a_unit_that_relapses_is_held_twice_as_long():
+    ctl = controller()
+    lossy, healthy = [0.2] * 7 + [1.8], [0.2] * 8
+    stream = [lossy] * 2 + [healthy] * 3 + [lossy] + [healthy] * 8
+    hosts = [step(ctl, [1.0] * 8, f) for f in stream]
+    in_recovery = [int(7 in h.active) for h in hosts]
+    # First hold: lock_steps (3) steps after the last lossy one. Lossy again 1 step after leaving (a relapse): its lock
+    # doubles to 6 steps after the last lossy one.
+    assert in_recovery == [1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0]
+
+
+def test_gradient_noise_alone_spends_nothing():
+    ctl = controller(max_active=4)
+    g = torch.Generator().manual_seed(0)
+    hosts = []
+    for _ in range(300):
+        norms = (1.0 + 3.0 * torch.rand(8, generator=g) ** 8).tolist()  # occasional x2-4 spikes
+        fidelity = (0.1 + 0.2 * torch.rand(8, generator=g)).tolist()
+        hosts.append(step(ctl, norms, fidelity))
+    assert sum(len(h.risky) for h in hosts) > 20
+    assert sum(len(h.active) for h in hosts) == 0
+
+
+def test_the_papers_policy_ignores_fidelity_and_keeps_every_decision():
+    g = torch.Generator().manual_seed(1)
+    stream = [(1.0 + 5.0 * torch.rand(8, generator=g) ** 6).tolist() for _ in range(60)]
+    config = GNMRConfig(**{**CAUSE, "policy": "paper"})
+    plain, fed = GNMRController(config, 8), GNMRController(config, 8)
+    for norms in stream:
+        a = plain.observe(torch.tensor(norms, dtype=torch.float64))
+        b = fed.observe(torch.tensor(norms, dtype=torch.float64), None, torch.full((8,), 5.0))
+        assert torch.equal(a.active, b.active) and torch.equal(a.locks, b.locks) and b.severity is None
+    assert "lock_length" not in plain.state_dict()
+
+
+def test_a_cause_controller_resumes_with_the_decisions_of_an_uninterrupted_run():
+    g = torch.Generator().manual_seed(2)
+    stream = [
+        ((1.0 + 5.0 * torch.rand(8, generator=g) ** 6).tolist(), (0.9 * torch.rand(8, generator=g) ** 2).tolist())
+        for _ in range(40)
+    ]
+    stream[5][1][7] = 3.0  # a broken step, then a relapse
+    stream[12][1][7] = 3.0
+    ctl = controller()
+    whole = [tuple(step(ctl, *row).active) for row in stream]
+    first = controller()
+    head = [tuple(step(first, *row).active) for row in stream[:15]]
+    resumed = controller()
+    resumed.load_state_dict(json.loads(json.dumps(first.json_state())))
+    assert head + [tuple(step(resumed, *row).active) for row in stream[15:]] == whole
+    assert any(whole)
+
+
+def test_cause_options_are_validated_with_errors_naming_the_field():
+    with pytest.raises(ValueError, match="policy"):
+        GNMRConfig(policy="oracle")
+    with pytest.raises(ValueError, match="cause_suspect"):
+        GNMRConfig(policy="cause", cause_suspect=2.0)
+    with pytest.raises(ValueError, match="cause_peer_factor"):
+        GNMRConfig(policy="cause", cause_peer_factor=1.0)
+
+
+# ----------------------------------------------------------------------------------------------- end to end
+
+
+def test_a_planted_cause_in_a_real_model_is_recovered_and_its_projections_are_not(tmp_path):
+    """Layer 0's attention saves q, k, v with a blown scale from step 3 on; its projections see the symptom."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from gnmr_hf import GNMRCallback
+    from gnmr_hf.experiments.pretrain import block_dataset
+
+    class Plant(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 >= 3:
+                gnmr.units[0].fault_scale = 3.0
+
+    model = _small_llama()
+    tokens = torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(0))
+    gnmr = GNMRCallback(
+        GNMRConfig(
+            backend="act_quant",
+            backend_options="kinds=linear;attention,low_bits=8,high_bits=16",
+            include=[r"\.(q|k|v|o|gate|up|down)_proj$", r"\.self_attn$"],
+            max_active=2,
+            policy="cause",
+        )
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=4, use_cpu=True, report_to=[],
+        disable_tqdm=True, train_sampling_strategy="sequential", learning_rate=1e-3,
+    )  # fmt: skip
+    Trainer(model=model, args=args, train_dataset=block_dataset(tokens, 16, 64, 0), callbacks=[gnmr, Plant()]).train()
+    steps = steps_of(tmp_path)
+    # The fault starts at step 3: the decision at the end of step 3 puts the attention unit on the recovery path.
+    assert [r["active"] for r in steps[:2]] == [[], []]
+    assert all(r["active"] == [0] for r in steps[2:])
+    assert steps[2]["cause"]["why"][0][:2] == [0, "broken"]
+
+
+def test_a_chronic_fp4_output_head_is_recovered_from_the_first_step(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from gnmr_hf import GNMRCallback
+    from gnmr_hf.experiments.pretrain import block_dataset
+
+    model = build_model(llama_config(d_model=32, n_layers=2, n_heads=2, seq_len=32), seed=0)
+    tokens = torch.randint(0, 256, (8192,), generator=torch.Generator().manual_seed(0))
+    gnmr = GNMRCallback(
+        GNMRConfig(
+            backend="block_fp",
+            backend_options="low_format=e2m1,high_format=e4m3,quantize_lm_head=true",
+            max_active=2,
+            policy="cause",
+        )
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, use_cpu=True, report_to=[],
+        disable_tqdm=True, train_sampling_strategy="sequential", learning_rate=1e-3,
+    )  # fmt: skip
+    Trainer(model=model, args=args, train_dataset=block_dataset(tokens, 32, 32, 0), callbacks=[gnmr]).train()
+    head = [u.name for u in gnmr.units].index("lm_head")
+    steps = steps_of(tmp_path)
+    assert all(r["active"] == [head] for r in steps)
+    assert steps[0]["cause"]["why"] == [[head, "broken", -1]]
+
+
+@pytest.mark.parametrize("restore_callback_states", [False, True])
+def test_resume_with_the_cause_policy_gives_identical_decisions(
+    tiny_llama_dir, dataset, tmp_path, restore_callback_states
+):
+    # Every measured loss is suspect here, so the injected spike at step 4 puts its family's lossiest unit in
+    # recovery and holds it across the checkpoint.
+    config = GNMRConfig(
+        max_active=2, lock_steps=3, window=3, min_history=3, alpha=4.0, beta=4.0, policy="cause", cause_suspect=1e-6
+    )
+    full = tmp_path / "full"
+    make_trainer(tiny_llama_dir, dataset, full, gnmr=config, max_steps=10, spike_step=4).train()
+    reference = steps_of(full)
+    assert all("cause" in r for r in reference)  # the bnb_int8 units measure their inputs
+    run = tmp_path / "run"
+    make_trainer(
+        tiny_llama_dir, dataset, run, gnmr=config, max_steps=10, spike_step=4, save_strategy="steps", save_steps=5
+    ).train()
+    exported = json.loads((run / "checkpoint-5" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert "lock_length" in exported["GNMRCallback"]["attributes"]["controller_state"]
+    shutil.rmtree(run / "checkpoint-10")
+    trainer = make_trainer(
+        tiny_llama_dir,
+        dataset,
+        run,
+        gnmr=config,
+        max_steps=10,
+        spike_step=4,
+        save_strategy="steps",
+        save_steps=5,
+        restore_callback_states_from_checkpoint=restore_callback_states,
+    )
+    trainer.train(resume_from_checkpoint=str(run / "checkpoint-5"))
+    assert any(r["active"] for r in reference[4:6])
+    assert steps_of(run)[5:] == reference[5:]
+
+
+# ----------------------------------------------------------------------------------------------------- advise
+
+TRACE = [
+    {
+        "type": "header",
+        "version": 2,
+        "units": ["model.layers.0.self_attn", "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"],
+        "backend": "act_quant",
+        "paths": ["4/8", "4/8", "4/8"],
+    },
+    *(
+        {
+            "type": "step",
+            "step": s,
+            "t": s,
+            "active": [0] if s >= 2 else [],
+            "entered": [0] if s == 2 else [],
+            "exited": [],
+            "risky": [1] if s == 2 else [],
+            "n_scored": 3,
+            "n_candidates": 1,
+            "max_risk": 1.0,
+            "top": [],
+            "alpha": 3.0,
+            "beta": 3.0,
+            "cause": {"why": [[0, "cause", 1]] if s >= 2 else [], "severity": [[0, 0.8], [2, 0.1]]},
+        }
+        for s in range(1, 5)
+    ),
+]
+
+ADVICE = """\
+GNMR advice: 3 act_quant units, 4 steps
+units the run needed persistently (1):
+  model.layers.0.self_attn: 3/4 steps recovered (75%), first at step 2, 1 entries; why: cause x1; median fidelity \
+0.8; symptoms in: model.layers.0.self_attn.q_proj x1
+
+# gnmr_hf (GNMRConfig / find_units): keep these off the managed cheap path
+exclude = ['^model\\\\.layers\\\\.0\\\\.self_attn$']
+
+# torchao: convert_to_float8_training(model, config=..., module_filter_fn=module_filter_fn)
+CARVE_OUT = {'model.layers.0.self_attn'}
+def module_filter_fn(module, fqn):
+    return fqn not in CARVE_OUT
+
+# bitsandbytes: BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=...)
+llm_int8_skip_modules = ['model.layers.0.self_attn']
+
+precision each unit ran in (cheap path / recovery path, share of steps):
+  model.layers.0.self_attn         4-bit 25.0% / 8-bit 75.0%
+  model.layers.0.self_attn.q_proj  4-bit 100.0% / 8-bit 0.0%
+  model.layers.0.mlp.down_proj     4-bit 100.0% / 8-bit 0.0%
+"""
+
+
+@pytest.fixture
+def trace(tmp_path):
+    path = tmp_path / "gnmr_trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
+    return path
+
+
+def test_advise_prints_the_persistent_units_as_a_carve_out_with_evidence_and_precision(trace, capsys):
+    assert cli_main(["advise", str(trace)]) == 0
+    assert capsys.readouterr().out == ADVICE
+
+
+def test_advise_fails_on_a_carve_out_that_matches_no_unit(trace, capsys):
+    assert advise_main([str(trace), "--expect", r"\.self_attn$", r"\.attention$"]) == 2
+    err = capsys.readouterr().err
+    assert "'\\\\.attention$' (--expect) matches no unit" in err and "self_attn$' (--expect)" not in err
