@@ -56,6 +56,10 @@ def test_ddp_ranks_read_the_same_norms_and_take_the_same_decisions(tiny_llama_di
         assert step_6["entered"] and not any(r["entered"] for r in zero["records"][:5])
     # The meters mode really scores units on output gradients each rank metered on its own data.
     assert "output_grad" in ranks(tmp_path, "meters_")[0]["signals"]
+    # policy="cause": each rank measured fidelity on its own data; the averaged vector and the decisions agree.
+    zero, one = ranks(tmp_path, "cause_")
+    assert all("fidelity" in r for r in zero["records"]) and zero["records"] == one["records"]
+    assert zero["records"][5]["entered"]
 
 
 @pytest.mark.parametrize("backend", ["act_quant", "block_fp", "bf16_cast"])

@@ -6,7 +6,9 @@
 An 8-bit LoRA tiny LLaMA, gradient accumulation 2, and a x100 spike in rank 0's *local* gradient only (a hook
 that fires on rank 0 alone), trained twice. `lora`: LoRA on every projection, units scored on their LoRA
 gradients (averaged by DDP). `meters`: LoRA on q_proj/v_proj only, so most units are scored on their output
-gradient, which each rank meters on its own data and GNMR sums across ranks. Each rank writes the norms it read
+gradient, which each rank meters on its own data and GNMR sums across ranks. `cause`: as `lora` with
+policy="cause", whose fidelity each rank measures on its own micro-batches and GNMR averages across ranks. Each
+rank writes the norms it read
 and its decisions, step by step, to OUT_DIR/{mode}_rank{R}.json; the test compares the ranks.
 """
 
@@ -33,7 +35,10 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
         model.enable_input_require_grads()
     data = byte_dataset(write_local_text(os.path.join(out_dir, f"train{rank}.txt"), lines=64))
     spiked = "model.layers.1.self_attn.v_proj" if mode == "meters" else "model.layers.1.mlp.down_proj"
-    gnmr = GNMRCallback(GNMRConfig(max_active=2, lock_steps=2, window=2, min_history=2, alpha=3.0, beta=3.0))
+    # policy="cause" with every measured loss suspect: the spike is blamed on its family's lossiest unit, which only
+    # a fidelity averaged over the ranks makes the same unit on both.
+    cause = {"policy": "cause", "cause_suspect": 1e-6} if mode == "cause" else {}
+    gnmr = GNMRCallback(GNMRConfig(max_active=2, lock_steps=2, window=2, min_history=2, alpha=3.0, beta=3.0, **cause))
 
     class LocalSpike(TrainerCallback):
         """x100 on the spiked LoRA gradients of rank 0's micro-batches during optimizer step 6, before DDP averages."""
@@ -53,6 +58,8 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             norms, missing = gnmr._pending
             records.append({"step": state.global_step + 1, "norms": norms.tolist(), "missing": missing.tolist()})
+            if gnmr._pending_fidelity is not None:
+                records[-1]["fidelity"] = gnmr._pending_fidelity.tolist()
 
         def on_optimizer_step(self, args, state, control, **kwargs):
             d = gnmr.last_decision
@@ -82,7 +89,7 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
 
 def main() -> None:
     model_dir, out_dir = sys.argv[1:3]
-    for mode in ("lora", "meters"):
+    for mode in ("lora", "meters", "cause"):
         run(model_dir, out_dir, mode)
 
 
