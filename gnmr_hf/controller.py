@@ -351,22 +351,7 @@ class GNMRController:
 
         previous = self.active
         self.locks, self.active, self.step = locks, selected, t
-        decision = Decision(
-            step=t,
-            alpha=alpha,
-            beta=beta,
-            gnmr=gnmr,
-            dgnmr=dgnmr,
-            risk=risk,
-            scored=scored,
-            risky=risky,
-            candidates=candidates,
-            active=selected,
-            entered=selected & ~previous,
-            exited=previous & ~selected,
-            locks=locks,
-            has_history=(self.norm_count >= cfg.min_history) & (self.norm_sum > 0),
-        )
+        decision = self._decision(alpha, beta, gnmr, dgnmr, risk, scored, risky, candidates, previous)
         if self.selection is None:
             return decision
         # GNMR's scores and risky set stay; the selection's set is the one applied (its own "candidates").
@@ -414,8 +399,38 @@ class GNMRController:
         previous, selected = self.active, out["active"]
         self.locks, self.active, self.step = out["locks"], selected, t
         self.lock_length, self.exited_at = out["lock_length"], out["exited_at"]
+        return self._decision(
+            alpha,
+            beta,
+            gnmr,
+            dgnmr,
+            risk,
+            scored,
+            risky,
+            selected,
+            previous,
+            severity=out["severity"],
+            reason=out["reason"],
+            source=out["source"],
+        )
+
+    def _decision(
+        self,
+        alpha: float,
+        beta: float,
+        gnmr: torch.Tensor,
+        dgnmr: torch.Tensor,
+        risk: torch.Tensor,
+        scored: torch.Tensor,
+        risky: torch.Tensor,
+        candidates: torch.Tensor,
+        previous: torch.Tensor,
+        **cause: torch.Tensor,
+    ) -> Decision:
+        """The step's `Decision`, once `self.step`, `self.active` and `self.locks` hold the new state."""
+        active = self.active
         return Decision(
-            step=t,
+            step=self.step,
             alpha=alpha,
             beta=beta,
             gnmr=gnmr,
@@ -423,15 +438,13 @@ class GNMRController:
             risk=risk,
             scored=scored,
             risky=risky,
-            candidates=selected,
-            active=selected,
-            entered=selected & ~previous,
-            exited=previous & ~selected,
+            candidates=candidates,
+            active=active,
+            entered=active & ~previous,
+            exited=previous & ~active,
             locks=self.locks,
-            has_history=(self.norm_count >= cfg.min_history) & (self.norm_sum > 0),
-            severity=out["severity"],
-            reason=out["reason"],
-            source=out["source"],
+            has_history=(self.norm_count >= self.config.min_history) & (self.norm_sum > 0),
+            **cause,
         )
 
     def _relapse_lock(self, t: int, entering: torch.Tensor) -> torch.Tensor:

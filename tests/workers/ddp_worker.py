@@ -22,6 +22,7 @@ import torch
 
 
 def run(model_dir: str, out_dir: str, mode: str) -> None:
+    from local_spike import LocalSpike  # beside this script
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from gnmr_hf import GNMRCallback, GNMRConfig
@@ -39,18 +40,6 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
     # a fidelity averaged over the ranks makes the same unit on both.
     cause = {"policy": "cause", "cause_suspect": 1e-6} if mode == "cause" else {}
     gnmr = GNMRCallback(GNMRConfig(max_active=2, lock_steps=2, window=2, min_history=2, alpha=3.0, beta=3.0, **cause))
-
-    class LocalSpike(TrainerCallback):
-        """x100 on the spiked LoRA gradients of rank 0's micro-batches during optimizer step 6, before DDP averages."""
-
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            for name, p in model.named_parameters():
-                if p.requires_grad and spiked in name:
-                    p.register_hook(lambda g: g * 100.0 if self.armed and rank == 0 else g)
-            self.armed = False
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.armed = state.global_step + 1 == 6
 
     records = []
 
@@ -78,7 +67,9 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
         seed=0,
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[gnmr, LocalSpike(), Record()])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[gnmr, LocalSpike(spiked, 6, rank), Record()]
+    )
     trainer.train()
     assert torch.distributed.get_world_size() == 2
     with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:

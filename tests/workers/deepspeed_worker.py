@@ -42,6 +42,7 @@ def ds_config(stage: int) -> dict:
 
 def run(model_dir: str, out_dir: str, mode: str) -> dict:
     from deepspeed.utils import safe_get_full_grad
+    from local_spike import LocalSpike  # beside this script
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from gnmr_hf import GNMRCallback, GNMRConfig
@@ -90,18 +91,6 @@ def run(model_dir: str, out_dir: str, mode: str) -> dict:
         )
     )
 
-    class LocalSpike(TrainerCallback):
-        """x100 on the spiked gradients of rank 0's micro-batches during optimizer step 5, before ZeRO reduces them."""
-
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            for name, p in model.named_parameters():
-                if p.requires_grad and spiked in name:
-                    p.register_hook(lambda g: g * 100.0 if self.armed and rank == 0 else g)
-            self.armed = False
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.armed = state.global_step + 1 == 5
-
     records: list[dict] = []
 
     class Record(TrainerCallback):
@@ -138,7 +127,9 @@ def run(model_dir: str, out_dir: str, mode: str) -> dict:
             norms, missing = gnmr._pending
             records[-1].update(norms=norms.tolist(), missing=missing.tolist())
 
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[gnmr, LocalSpike(), Norms(), Record()])
+    trainer = Trainer(
+        model=model, args=args, train_dataset=data, callbacks=[gnmr, LocalSpike(spiked, 5, rank), Norms(), Record()]
+    )
     if mode == "refused":
         try:
             trainer.train()
