@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -350,6 +351,19 @@ def _scores(
     return s
 
 
+def _recomputed_probabilities(
+    q: torch.Tensor, k_rep: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, scaling: float
+) -> torch.Tensor:
+    """P = exp(q k^T * scaling - lse), as the FlashAttention-style backward recomputes it from the saved q and k
+    (`k_rep`: k with its heads repeated for GQA)."""
+    return torch.exp(_scores(q, k_rep, mask, is_causal, scaling) - lse.unsqueeze(-1))
+
+
+def _operands_loss(tensors: Sequence[torch.Tensor], restored: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The worst `operand_loss` over q, k, v and what their saved copies give back."""
+    return torch.stack([operand_loss(x, r) for x, r in zip(tensors, restored, strict=True)]).max()
+
+
 class QuantSavedAttention(torch.autograd.Function):
     """softmax(q k^T * scaling + mask) v, FlashAttention-style: saves q, k, v as `spec` says and the float32 logsumexp
     of each query row, and recomputes the probabilities in the backward from them.
@@ -394,8 +408,7 @@ class QuantSavedAttention(torch.autograd.Function):
         ctx.probe = None
         if probe is not None:
             restored = [SaveSpec.restore(t, m) for t, m in zip(saved, metas, strict=True)]
-            losses = [operand_loss(x, r) for x, r in zip((q, k, v), restored, strict=True)]
-            ctx.probe = (probe, torch.stack(losses).max())
+            ctx.probe = (probe, _operands_loss((q, k, v), restored))
         ctx.is_causal, ctx.scaling, ctx.renormalize, ctx.groups = is_causal, scaling, renormalize, groups
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.has_mask = mask is not None
@@ -414,7 +427,7 @@ class QuantSavedAttention(torch.autograd.Function):
         mask = tensors[1] if ctx.has_mask else None
         groups, scaling = ctx.groups, ctx.scaling
         k_rep, v_rep = _repeat_kv(k, groups), _repeat_kv(v, groups)
-        p = torch.exp(_scores(q, k_rep, mask, ctx.is_causal, scaling) - lse.unsqueeze(-1))
+        p = _recomputed_probabilities(q, k_rep, lse, mask, ctx.is_causal, scaling)
         if ctx.probe is not None:
             report, operands = ctx.probe
             report(torch.maximum(operands, row_sum_loss(p)))
@@ -568,9 +581,8 @@ class ActQuantAttentionUnit(_SavesActivations):
         exact = _scores(q, _repeat_kv(k, groups), mask, is_causal, scaling)
         lse = torch.logsumexp(exact, dim=-1)
         lse = torch.where(torch.isneginf(lse), 0.0, lse)
-        p = torch.exp(_scores(restored[0], _repeat_kv(restored[1], groups), mask, is_causal, scaling) - lse[..., None])
-        operands = torch.stack([operand_loss(x, r) for x, r in zip((q, k, v), restored, strict=True)]).max()
-        return torch.maximum(operands, row_sum_loss(p))
+        p = _recomputed_probabilities(restored[0], _repeat_kv(restored[1], groups), lse, mask, is_causal, scaling)
+        return torch.maximum(_operands_loss((q, k, v), restored), row_sum_loss(p))
 
     def _close(self) -> None:
         self._switch.release()
