@@ -31,16 +31,21 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "BACKENDS",
     "ActQuantAttentionUnit",
+    "ActQuantHeadUnit",
     "ActQuantLinearUnit",
+    "ActQuantMLPUnit",
+    "ActQuantNormUnit",
     "ActQuantOptions",
+    "ChunkedHeadLoss",
     "QuantSavedAttention",
     "QuantSavedLinear",
+    "QuantSavedRecompute",
     "SaveCache",
     "SaveSpec",
     "act_quant_attention",
 ]
 
-KINDS = ("linear", "attention")
+KINDS = ("linear", "attention", "mlp", "norm", "head")
 SCALINGS = ("tensor", "row", "group")
 UNQUANTIZED = 16
 BITS = (2, 3, 4, 5, 6, 7, 8, UNQUANTIZED)
@@ -72,14 +77,19 @@ class ActQuantOptions(SignalOptions):
         default_factory=lambda: ["linear"],
         metadata={
             "help": "Which units to make: 'linear' (nn.Linear saved inputs), 'attention' (saved q, k, v of "
-            "attention); several separated by ';' on the command line, e.g. 'kinds=linear;attention'."
+            "attention), 'mlp' (the SwiGLU product's operands), 'norm' (norm inputs), 'head' (the output head's "
+            "input, with the loss in chunks) or 'all'; several separated by ';' on the command line, e.g. "
+            "'kinds=linear;attention'."
         },
     )
     renormalize: bool = field(
         default=False,
         metadata={"help": "Attention backward: divide the recomputed probabilities by their row sum (ablation)."},
     )
-    signal: str = signal_option(note=" Linear units only: attention units use their q/k/v projection weights.")
+    signal: str = signal_option(
+        note=" Linear, norm and head units: attention units use their q/k/v projection weights, mlp units their "
+        "gate/up projection weights."
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -93,9 +103,12 @@ class ActQuantOptions(SignalOptions):
         self.check_choice("scaling", SCALINGS)
         self.check_int("group_size", 1)
         kinds = [self.kinds] if isinstance(self.kinds, str) else list(self.kinds)
+        if kinds == ["all"]:
+            kinds = list(KINDS)
         if not kinds or any(k not in KINDS for k in kinds) or len(set(kinds)) != len(kinds):
             raise ValueError(
-                f"option 'kinds' must be a non-empty list of distinct values from {list(KINDS)}, got {self.kinds!r}"
+                f"option 'kinds' must be a non-empty list of distinct values from {list(KINDS)}, or 'all', got "
+                f"{self.kinds!r}"
             )
         self.kinds = kinds
 
@@ -620,10 +633,353 @@ def _is_attention(module: nn.Module) -> bool:
     )
 
 
+# ---------------------------------------------------------------------------------------- mlp and norm
+
+
+class QuantSavedRecompute(torch.autograd.Function):
+    """`fn(*inputs)` computed exactly, whose inputs are saved as `spec` says; the backward recomputes `fn` on the
+    restored copies under autograd (activation checkpointing from a quantized checkpoint).
+
+    `fn` is elementwise or row-wise and cheap (SwiGLU's `act_fn(g) * u`, a norm's own forward), so the recompute costs
+    little next to the GEMMs around it. `params`: the tensors `fn` reads besides its inputs (a norm's weight); they get
+    their gradients from the recompute. The recompute runs under the forward's autocast state.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        fn: Any,
+        spec: SaveSpec,
+        cache: SaveCache | None,
+        n_inputs: int,
+        *tensors: torch.Tensor,
+    ) -> torch.Tensor:
+        inputs, ctx.params = tensors[:n_inputs], tensors[n_inputs:]
+        # Grad mode is off here: the module's own computation, bit for bit.
+        out = fn(*inputs)
+        saved: list[torch.Tensor] = []
+        ctx.metas, ctx.counts = [], []
+        for x in inputs:
+            packed, meta = spec.save(x, cache)
+            saved += packed
+            ctx.metas.append(meta)
+            ctx.counts.append(len(packed))
+        ctx.fn = fn
+        device = inputs[0].device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        tensors = list(ctx.saved_tensors)
+        inputs = []
+        for i, (count, meta) in enumerate(zip(ctx.counts, ctx.metas, strict=True)):
+            x = SaveSpec.restore(tuple(tensors[:count]), meta).detach()
+            inputs.append(x.requires_grad_(ctx.needs_input_grad[4 + i]))
+            del tensors[:count]
+        wanted = [t for t in (*inputs, *ctx.params) if t.requires_grad]
+        grads: list[torch.Tensor | None] = [None] * (len(inputs) + len(ctx.params))
+        if wanted:
+            device, dtype, enabled = ctx.autocast
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                out = ctx.fn(*inputs)
+            found = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+            grads = [next(found) if t.requires_grad else None for t in (*inputs, *ctx.params)]
+        return None, None, None, None, *grads
+
+
+def _operands_severity(spec: SaveSpec, cache: SaveCache, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The worst `SaveSpec.loss` over the operands one unit saves (as attention's q, k, v: the worst one is the one
+    whose backward breaks first)."""
+    return torch.stack([spec.loss(x, cache) for x in tensors]).max()
+
+
+class ActQuantMLPUnit(_SavesActivations, SwitchedUnit):
+    """One SwiGLU MLP (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, LLaMA's `LlamaMLP`) whose product saves its
+    operands, the gate and up projections' outputs, at `low_bits` / `high_bits`; the backward recomputes `act_fn`
+    from the saved gate output. The projections themselves are `linear` units (or plain Linears). Signal: the
+    gradients of its gate and up projection weights, the nearest weights the saved operands feed."""
+
+    kind = "mlp"
+    fidelity_bound = (
+        "saved gate and up outputs at low_bits: the worst of max(relative L2 error / 2, row-sum bias / 0.1)"
+    )
+
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
+        self._cache = ctx.once(_save_cache)
+        super().__init__(name, module, ctx)
+
+    def find_signal(self, ctx: DispatchContext) -> Signal:
+        weights = [getattr(self.module, p).weight for p in ("gate_proj", "up_proj")]
+        trainable = [w for w in weights if w.requires_grad]
+        if not trainable:
+            raise ValueError(
+                f"act_quant mlp unit {self.name!r}: neither its gate nor its up projection weight requires grad, so "
+                "it has no signal; exclude it or drop 'mlp' from kinds"
+            )
+        return Signal("gate_up_weight", trainable)
+
+    def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mlp(x)
+
+    def recovery_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mlp(x)
+
+    def _product(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.module.act_fn(gate) * up
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        gate, up = m.gate_proj(x), m.up_proj(x)
+        if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
+            return m.down_proj(self._product(gate, up))
+        self.measure(gate, up)
+        if self.measuring:
+            self.report_fidelity(_operands_severity(self.cheap_spec(), self._cache, (gate, up)))
+        product = QuantSavedRecompute.apply(self._product, self.current_spec(), self._cache, 2, gate, up)
+        return m.down_proj(product)
+
+
+class ActQuantNormUnit(_SavesActivations, SwitchedUnit):
+    """One norm module (LLaMA's `LlamaRMSNorm`, or any leaf `*RMSNorm` / `*LayerNorm` / `nn.LayerNorm`) whose input
+    is saved at `low_bits` / `high_bits` instead of what its ops keep (the input and the normalized copy); the
+    backward recomputes the module's own forward from the saved copy. Signal: its own weight's gradient (`signal=`)."""
+
+    kind = "norm"
+    fidelity_bound = "saved input at low_bits: max(relative L2 error / 2, row-sum bias / 0.1)"
+
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
+        self._cache = ctx.once(_save_cache)
+        super().__init__(name, module, ctx)
+
+    def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x)
+
+    def recovery_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        params = [p for p in self.module.parameters(recurse=False) if p.requires_grad]
+        if not (torch.is_grad_enabled() and (x.requires_grad or params)):
+            return self._module_forward(x)
+        self.measure(x)
+        if self.measuring:
+            self.report_fidelity(self.cheap_spec().loss(x, self._cache))
+        return QuantSavedRecompute.apply(self._module_forward, self.current_spec(), self._cache, 1, x, *params)
+
+
+def _is_swiglu_mlp(module: nn.Module) -> bool:
+    """A gated MLP of the LLaMA family: gate/up/down projections and an `act_fn`."""
+    return callable(getattr(module, "act_fn", None)) and all(
+        isinstance(getattr(module, p, None), nn.Module) for p in ("gate_proj", "up_proj", "down_proj")
+    )
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A leaf norm module: `nn.LayerNorm`, or a class named `*RMSNorm` / `*LayerNorm` (transformers' norms)."""
+    named = type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+    return (isinstance(module, nn.LayerNorm) or named) and next(module.children(), None) is None
+
+
+# ---------------------------------------------------------------------------------------------- the head
+
+# Logit elements one chunk of the loss holds (16 MiB in float32): at a 32k vocabulary, 131 tokens per chunk.
+LOSS_CHUNK_ELEMENTS = 2**22
+
+
+class ChunkedHeadLoss(torch.autograd.Function):
+    """Causal-LM cross entropy whose backward never needs the full logits: the forward takes the loss from the exact
+    logits, chunk of rows by chunk; it saves the head's input `h` as `spec` says (not the logits, not their
+    log-softmax) and the backward recomputes each chunk's logits from the restored `h` and the head weight, takes
+    their softmax (rows that sum to 1) and forms the gradients of `h`, the weight and the bias, as Liger's fused
+    linear cross-entropy does. `targets`: [N] with `ignore_index` where no loss is taken; `denom`: what the summed
+    loss is divided by (transformers' `num_items_in_batch`, else the number of targets)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        ignore_index: int,
+        denom: torch.Tensor | float | None,
+        spec: SaveSpec,
+        cache: SaveCache | None,
+    ) -> torch.Tensor:
+        rows = logits.reshape(-1, logits.shape[-1])
+        valid = targets != ignore_index
+        safe = torch.where(valid, targets, 0)
+        chunk = max(1, LOSS_CHUNK_ELEMENTS // rows.shape[-1])
+        total = rows.new_zeros((), dtype=torch.float32)
+        for i in range(0, rows.shape[0], chunk):
+            z = rows[i : i + chunk].float()
+            picked = z.gather(1, safe[i : i + chunk, None]).squeeze(1)
+            total = total + torch.where(valid[i : i + chunk], torch.logsumexp(z, -1) - picked, 0.0).sum()
+        if denom is None:
+            denom = valid.sum()
+        if isinstance(denom, torch.Tensor):
+            denom = denom.to(total.device)
+        loss = total / denom
+        saved, ctx.meta = spec.save(h, cache)
+        ctx.count, ctx.chunk, ctx.denom = len(saved), chunk, denom
+        ctx.h_shape, ctx.h_dtype, ctx.logits_dtype = h.shape, h.dtype, logits.dtype
+        ctx.save_for_backward(*saved, weight, *((bias,) if bias is not None else ()), safe, valid)
+        ctx.has_bias = bias is not None
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        tensors = ctx.saved_tensors
+        h = SaveSpec.restore(tuple(tensors[: ctx.count]), ctx.meta).reshape(-1, ctx.h_shape[-1])
+        weight, rest = tensors[ctx.count], tensors[ctx.count + 1 :]
+        bias = rest[0] if ctx.has_bias else None
+        safe, valid = rest[-2], rest[-1]
+        # The logits' dtype: the head's GEMM runs as it did in the forward (e.g. bf16 under autocast).
+        dtype = ctx.logits_dtype
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        scale = (grad_loss / ctx.denom).float()
+        grad_h = torch.empty(h.shape, dtype=dtype, device=h.device)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        for i in range(0, h.shape[0], ctx.chunk):
+            hc = h[i : i + ctx.chunk].to(dtype)
+            d = torch.softmax(F.linear(hc, w, b).float(), dim=-1)
+            d[torch.arange(d.shape[0], device=d.device), safe[i : i + ctx.chunk]] -= 1.0
+            d = d * (valid[i : i + ctx.chunk, None] * scale)
+            grad_h[i : i + ctx.chunk] = d.to(dtype) @ w
+            grad_w += (d.t() @ hc.float()) if dtype == torch.float32 else (d.to(dtype).t() @ hc).float()
+            if grad_b is not None:
+                grad_b += d.sum(0)
+        return (
+            None,
+            grad_h.reshape(ctx.h_shape).to(ctx.h_dtype),
+            grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+class ActQuantHeadUnit(_SavesActivations, SwitchedUnit):
+    """The output head (the model's `get_output_embeddings()` Linear) whose input is saved at `low_bits` /
+    `high_bits`, with the causal-LM loss computed in chunks (`ChunkedHeadLoss`) so that neither the full logits nor
+    their log-softmax are kept for the backward. The unit sets the model's `loss_function` (transformers' own
+    setter) while it is open; logits it did not make (no grad, or made elsewhere) go to the model's own loss. The
+    logits the model returns are exact and still differentiable (as a `linear` unit's output, same saved copy).
+    Signal: its weight's gradient (`signal=`)."""
+
+    kind = "head"
+    fidelity_bound = "saved input at low_bits: max(relative L2 error / 2, row-sum bias / 0.1)"
+
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+
+        owner = _head_owner(ctx, module)
+        if owner.loss_function is not LOSS_MAPPING["ForCausalLM"]:
+            raise ValueError(
+                f"act_quant head unit {name!r}: {type(owner).__name__}'s loss is {owner.loss_function!r}; the chunked "
+                "loss replaces only transformers' ForCausalLMLoss; drop 'head' from kinds"
+            )
+        self._cache = ctx.once(_save_cache)
+        # The head input of each live logits tensor this unit made, for the loss to start from.
+        self._inputs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        super().__init__(name, module, ctx)
+        self._owner = owner
+        self._previous_loss = owner.__dict__.get("_loss_function")
+        owner.loss_function = self._loss
+
+    def cheap_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self._head(h)
+
+    def recovery_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self._head(h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if not (torch.is_grad_enabled() and m.weight.requires_grad):
+            return self._module_forward(h)
+        self.measure(h)
+        if self.measuring:
+            self.report_fidelity(self.cheap_spec().loss(h, self._cache))
+        logits = QuantSavedLinear.apply(h, m.weight, m.bias, self.current_spec(), self._cache)
+        self._inputs[logits] = (h, self.current_spec())
+        return logits
+
+    def _loss(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int,
+        num_items_in_batch: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        made = self._inputs.pop(logits, None)
+        if made is None or not torch.is_grad_enabled():
+            return ForCausalLMLoss(
+                logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
+            )
+        h, spec = made
+        if shift_labels is None:
+            # As ForCausalLMLoss: position i predicts token i + 1; the last position predicts nothing.
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        targets = shift_labels.reshape(-1).to(logits.device)
+        m = self.module
+        return ChunkedHeadLoss.apply(
+            logits.detach(), h, m.weight, m.bias, targets, ignore_index, num_items_in_batch, spec, self._cache
+        )
+
+    def _close(self) -> None:
+        super()._close()
+        if self._owner.__dict__.get("_loss_function") == self._loss:
+            if self._previous_loss is None:
+                del self._owner._loss_function
+            else:
+                self._owner.loss_function = self._previous_loss
+
+
+def _head_owner(ctx: DispatchContext, module: nn.Module) -> nn.Module:
+    """The outermost transformers model whose output embeddings `module` is (its `loss_function` is the loss)."""
+    from transformers import PreTrainedModel
+
+    for m in ctx.model.modules():
+        if isinstance(m, PreTrainedModel) and m.get_output_embeddings() is module:
+            return m
+    raise ValueError(f"act_quant head unit: {type(ctx.model).__name__} has no transformers model whose head it is")
+
+
+def _output_heads(ctx: DispatchContext) -> set[int]:
+    from transformers import PreTrainedModel
+
+    heads = set()
+    for m in ctx.model.modules():
+        if isinstance(m, PreTrainedModel):
+            head = m.get_output_embeddings()
+            if isinstance(head, nn.Linear):
+                heads.add(id(head))
+    return heads
+
+
 def _act_quant_unit(module: nn.Module, ctx: DispatchContext[ActQuantOptions]) -> type[RecoverableUnit] | None:
     kinds = ctx.options.kinds
     if "attention" in kinds and _is_attention(module):
         return ActQuantAttentionUnit
+    if "mlp" in kinds and _is_swiglu_mlp(module):
+        return ActQuantMLPUnit
+    if "norm" in kinds and _is_norm(module):
+        return ActQuantNormUnit
+    if "head" in kinds and id(module) in ctx.once(_output_heads):
+        return ActQuantHeadUnit
     if "linear" in kinds and isinstance(module, nn.Linear):
         return ActQuantLinearUnit
     return None
@@ -634,8 +990,9 @@ ACT_QUANT = Backend(
     unit_for=_act_quant_unit,
     options=ActQuantOptions,
     hint=(
-        "The act_quant backend manages nn.Linear layers (kinds=linear) and transformers attention modules with "
-        "q_proj/k_proj/v_proj (kinds=attention)."
+        "The act_quant backend manages nn.Linear layers (kinds=linear), transformers attention modules with "
+        "q_proj/k_proj/v_proj (kinds=attention), gated MLPs with gate_proj/up_proj/down_proj/act_fn (kinds=mlp), "
+        "norm modules (kinds=norm) and a causal LM's output head (kinds=head)."
     ),
 )
 
