@@ -10,11 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from gnmr_hf import GNMRConfig, find_units
+from gnmr_hf.backends import act_quant
 from gnmr_hf.backends.act_quant import (
     ATTN_IMPLEMENTATION,
     ActQuantOptions,
+    ChunkedHeadLoss,
     QuantSavedAttention,
     QuantSavedLinear,
+    QuantSavedRecompute,
     SaveSpec,
 )
 from gnmr_hf.experiments.pretrain import SavedTensorMeter
@@ -312,3 +315,262 @@ def test_an_injected_fault_corrupts_only_the_cheap_path():
     assert not torch.allclose(faulty, clean)
     unit.enter_recovery()
     torch.testing.assert_close(weight_grad(), torch.ones(32, 8) @ SaveSpec.restore(*SaveSpec(8, "row").save(x)))
+
+
+# ---------------------------------------------------------------------------------------- kinds=all, per kind
+
+ALL_UNITS_PER_LAYER = 7 + 1 + 1 + 2  # projections, attention, mlp, two norms
+
+
+def test_kinds_all_selects_every_kind_also_on_the_command_line():
+    config = GNMRConfig(backend="act_quant", backend_options="kinds=all,low_bits=4")
+    assert ActQuantOptions.parse(config.backend_options).kinds == ["linear", "attention", "mlp", "norm", "head"]
+    units = find_units(small_llama(), "act_quant", kinds="all")
+    assert len(units) == 2 * ALL_UNITS_PER_LAYER + 2  # and the final norm, the head
+    assert {u.kind for u in units} == {"linear", "attention", "mlp", "norm", "head"}
+    assert units.names[-2:] == ["model.norm", "lm_head"]
+
+
+def test_kinds_all_keeps_the_forward_exact_and_the_gradient_error_shrinks_with_the_width():
+    model = small_llama()
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")  # the attention unit's forward is eager attention's, bit for bit
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    ref_logits, ref = grads(eager, ids)
+    ref_loss = eager(input_ids=ids, labels=ids).loss
+    errors = {}
+    for bits in (16, 8, 4, 2):
+        m = copy.deepcopy(model)
+        units = find_units(m, "act_quant", kinds="all", low_bits=bits, high_bits=16)
+        logits, g = grads(m, ids)
+        assert torch.equal(logits, ref_logits), bits
+        # The loss is summed chunk by chunk: the same value up to float32 summation order.
+        torch.testing.assert_close(m(input_ids=ids, labels=ids).loss, ref_loss, rtol=1e-6, atol=0)
+        errors[bits] = max(((g[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
+        units.close()
+    assert errors[16] < 1e-5
+    assert errors[16] < errors[8] < errors[4] < errors[2]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kinds_all_saves_at_most_a_quarter_of_the_plain_model_at_4_bits_and_a_third_at_8(bits):
+    model = small_llama()
+    ids = torch.randint(0, 64, (4, 32))
+    with SavedTensorMeter(exclude=model) as plain:
+        model(input_ids=ids, labels=ids)
+    units = find_units(model, "act_quant", kinds="all", low_bits=bits, high_bits=16)
+    with SavedTensorMeter(exclude=model) as meter:
+        model(input_ids=ids, labels=ids)
+    assert meter.nbytes <= {4: 0.25, 8: 0.35}[bits] * plain.nbytes
+    units.close()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "norm", "head"])
+def test_a_flip_of_a_new_kind_takes_effect_from_the_next_forward_only(kind):
+    model = small_llama()
+    units = find_units(model, "act_quant", kinds=[kind], low_bits=2, high_bits=8)
+    unit = units[0]
+    signal = unit.signal_tensors()[0]
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step(flip: bool = False) -> torch.Tensor:
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        if flip:
+            unit.enter_recovery()  # a decision between this forward and its backward
+        loss.backward()
+        return signal.grad.clone()
+
+    low = step()
+    assert torch.equal(step(flip=True), low)  # this step still used what was saved at 2 bits
+    assert not torch.equal(step(), low)  # the next step saves at 8 bits
+    units.close()
+
+
+def test_each_new_kind_is_scored_on_its_nearest_trainable_weights():
+    model = small_llama()
+    units = {u.name: u for u in find_units(model, "act_quant", kinds=["mlp", "norm", "head"])}
+    layer = model.model.layers[0]
+    mlp, norm, head = units["model.layers.0.mlp"], units["model.layers.0.input_layernorm"], units["lm_head"]
+    assert [id(t) for t in mlp.signal_tensors()] == [id(layer.mlp.gate_proj.weight), id(layer.mlp.up_proj.weight)]
+    assert [id(t) for t in norm.signal_tensors()] == [id(layer.input_layernorm.weight)]
+    assert [id(t) for t in head.signal_tensors()] == [id(model.lm_head.weight)]
+    assert (mlp.signal, norm.signal, head.signal) == ("gate_up_weight", "weight", "weight")
+
+
+def test_close_gives_the_loss_function_back():
+    model = small_llama()
+    units = find_units(model, "act_quant", kinds="all")
+    assert "_loss_function" in model.__dict__
+    units.close()
+    assert "_loss_function" not in model.__dict__
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------------- mlp
+
+
+def silu_product_grads(bits: int, gate: torch.Tensor, up: torch.Tensor, g_out: torch.Tensor):
+    gate, up = (t.detach().clone().requires_grad_() for t in (gate, up))
+    out = QuantSavedRecompute.apply(lambda a, b: F.silu(a) * b, SaveSpec(bits), None, gate, up)
+    out.backward(g_out)
+    return out.detach(), gate.grad, up.grad
+
+
+def test_the_swiglu_product_is_exact_forward_and_its_gradients_stay_within_the_bound_per_width():
+    torch.manual_seed(0)
+    gate, up, g_out = torch.randn(4, 8, 64) * 2, torch.randn(4, 8, 64), torch.randn(4, 8, 64)
+    exact_out, exact_gate, exact_up = silu_product_grads(16, gate, up, g_out)
+    ref_gate, ref_up = (t.clone().requires_grad_() for t in (gate, up))
+    (F.silu(ref_gate) * ref_up).backward(g_out)
+    torch.testing.assert_close((exact_gate, exact_up), (ref_gate.grad, ref_up.grad), rtol=1e-6, atol=1e-6)
+    errors = []
+    for bits in (8, 4, 2):
+        out, d_gate, d_up = silu_product_grads(bits, gate, up, g_out)
+        assert torch.equal(out, exact_out)
+        e_gate, e_up = absmax_error_bound(gate, bits), absmax_error_bound(up, bits)
+        up_hat = SaveSpec.restore(*SaveSpec(bits).save(up))
+        # d_up = g silu(g_hat): |err| <= |g| max|silu'| e_gate; d_gate = g u_hat silu'(gate_hat):
+        # |err| <= |g| (max|silu'| e_up + |u_hat| max|silu''| e_gate), with max|silu'| < 1.1, max|silu''| = 0.5.
+        assert ((d_up - ref_up.grad).abs() <= g_out.abs() * 1.1 * e_gate + 1e-6).all(), bits
+        bound = g_out.abs() * (1.1 * e_up + up_hat.abs() * 0.5 * e_gate)
+        assert ((d_gate - ref_gate.grad).abs() <= bound + 1e-6).all(), bits
+        errors.append((d_gate - ref_gate.grad).norm() / ref_gate.grad.norm())
+    assert errors[0] < errors[1] < errors[2]
+
+
+def test_the_mlp_unit_saves_packed_gate_and_up_outputs_and_no_float_copy_of_them():
+    model = small_llama()
+    find_units(model, "act_quant", kinds=["mlp"], low_bits=4, high_bits=8, include=[r"layers\.0\.mlp$"])
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    with SavedTensorMeter(exclude=model) as meter:
+        model.model.layers[0].mlp(x)
+    intermediate = 2 * 16 * 64
+    # Packed gate and up outputs (4 bits), the plain down_proj's float input; the gate/up Linears' shared input.
+    assert meter.by_dtype["uint8"] == 2 * intermediate // 2
+    assert meter.by_dtype["float32"] == 4 * (intermediate + x.numel()) + 2 * 4  # and one scale per operand
+
+
+# --------------------------------------------------------------------------------------------------- norm
+
+
+def test_the_norm_unit_is_exact_forward_and_its_gradients_stay_within_the_bound_per_width():
+    model = small_llama()
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(2, 16, 32) * 3
+    g_out = torch.randn(2, 16, 32)
+
+    def run():
+        xr = x.clone().requires_grad_()
+        norm.weight.grad = None
+        out = norm(xr)
+        out.backward(g_out)
+        return out.detach(), xr.grad, norm.weight.grad.clone()
+
+    ref_out, ref_dx, ref_dw = run()
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    y, wg = x * rstd, norm.weight * g_out
+    errors = {}
+    for bits in (16, 8, 4, 2):
+        (unit,) = find_units(model, "act_quant", kinds=["norm"], low_bits=bits, high_bits=16, include=[r"0\.input"])
+        out, dx, dw = run()
+        unit.close()
+        assert torch.equal(out, ref_out), bits
+        # With the exact rstd r saved, y_hat = x_hat r moves by at most r e: dW by sum |g| r e, and
+        # dx = r (w g - y m) by at most r (r e |m_hat| + |y| mean(|w g| r e)), m = mean(w g y).
+        e = absmax_error_bound(x, bits).expand_as(x) if bits < 16 else torch.zeros_like(x)
+        y_hat = SaveSpec.restore(*SaveSpec(bits).save(x)) * rstd
+        m_hat = (wg * y_hat).mean(-1, keepdim=True)
+        assert ((dw - ref_dw).abs() <= (g_out.abs() * rstd * e).sum((0, 1)) * (1 + 1e-4) + 1e-6).all(), bits
+        bound = rstd * (rstd * e * m_hat.abs() + y.abs() * (wg.abs() * rstd * e).mean(-1, keepdim=True))
+        assert ((dx - ref_dx).abs() <= bound * (1 + 1e-4) + 1e-6).all(), bits
+        errors[bits] = max(((a - b).norm() / b.norm()).item() for a, b in ((dx, ref_dx), (dw, ref_dw)))
+    assert errors[16] < 1e-6
+    assert errors[8] < errors[4] < errors[2]
+
+
+def test_the_norm_unit_saves_only_its_packed_input():
+    model = small_llama()
+    find_units(model, "act_quant", kinds=["norm"], low_bits=4, high_bits=8, include=[r"0\.input"])
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    with SavedTensorMeter(exclude=model) as meter:
+        model.model.layers[0].input_layernorm(x)
+    # The codes, one scale and the exact rstd of each row.
+    assert meter.by_dtype == {"uint8": x.numel() // 2, "float32": 4 + 4 * 2 * 16}
+
+
+# --------------------------------------------------------------------------------------------------- head
+
+
+def head_loss_grads(bits: int, h, weight, targets, denom=None):
+    h, weight = (t.detach().clone().requires_grad_() for t in (h, weight))
+    logits = F.linear(h, weight)
+    loss = ChunkedHeadLoss.apply(logits.detach(), h, weight, None, targets, -100, denom, SaveSpec(bits), None)
+    loss.backward()
+    return loss.detach(), h.grad, weight.grad
+
+
+@pytest.mark.parametrize("chunk", [2**22, 64 * 5])  # one chunk; chunks of 5 rows, the last one short
+def test_the_chunked_loss_is_the_plain_loss_and_its_gradients_stay_within_the_bound_per_width(chunk, monkeypatch):
+    monkeypatch.setattr(act_quant, "LOSS_CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    h, weight = torch.randn(23, 32), torch.randn(64, 32) * 0.3
+    targets = torch.randint(0, 64, (23,))
+    targets[[3, 11]] = -100
+    hr, wr = h.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.cross_entropy(F.linear(hr, wr), targets, ignore_index=-100)
+    ref.backward()
+    loss, dh, dw = head_loss_grads(16, h, weight, targets)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close((dh, dw), (hr.grad, wr.grad), rtol=1e-5, atol=1e-7)
+    errors = []
+    for bits in (8, 4, 2):
+        loss, dh, dw = head_loss_grads(bits, h, weight, targets)
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=0)
+        # Logits recomputed from h_hat move by at most delta = |W| e_h per row, so each probability by at most
+        # p (exp(2 delta) - 1), the bias of its row included (they are renormalized): d_logits' error is bounded.
+        e_h = absmax_error_bound(h, bits).expand_as(h)
+        h_hat = SaveSpec.restore(*SaveSpec(bits).save(h))
+        delta = (e_h @ weight.abs().t()).max(-1, keepdim=True).values
+        p = torch.softmax(F.linear(h, weight), -1)
+        d_err = p * torch.expm1(2 * delta) * (targets != -100)[:, None] / (targets != -100).sum()
+        d = (p - F.one_hot(targets.clamp_min(0), 64)) * (targets != -100)[:, None] / (targets != -100).sum()
+        assert ((dh - hr.grad).abs() <= d_err @ weight.abs() * (1 + 1e-4) + 1e-7).all(), bits
+        bound = d_err.t() @ h_hat.abs() + d.abs().t() @ e_h
+        assert ((dw - wr.grad).abs() <= bound * (1 + 1e-4) + 1e-7).all(), bits
+        errors.append((dw - wr.grad).norm() / wr.grad.norm())
+    assert errors[0] < errors[1] < errors[2]
+
+
+def test_the_chunked_loss_divides_by_num_items_in_batch_as_transformers_does():
+    torch.manual_seed(0)
+    h, weight, targets = torch.randn(8, 16), torch.randn(32, 16), torch.randint(0, 32, (8,))
+    loss, _, _ = head_loss_grads(16, h, weight, targets, denom=torch.tensor(20))
+    ref = F.cross_entropy(F.linear(h, weight), targets, reduction="sum") / 20
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
+
+
+def test_the_head_unit_keeps_neither_the_logits_nor_their_log_softmax():
+    model = small_llama()
+    ids = torch.randint(0, 64, (2, 16))
+    find_units(model, "act_quant", kinds=["head"], low_bits=4, high_bits=8)
+    h = model.model(input_ids=ids).last_hidden_state
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        logits = model.lm_head(h)
+        model.loss_function(logits=logits, labels=ids, vocab_size=64).backward()
+    assert logits.requires_grad  # still differentiable, for a loss of the caller's own
+    # The head input, saved once, packed (the logits' own graph and the loss share the copy), its scale, the targets.
+    codes = [t for t in seen if t.dtype == torch.uint8]
+    assert len({t.untyped_storage().data_ptr() for t in codes}) == 1 and codes[0].numel() == 2 * 16 * 32 // 2
+    floats = [t for t in seen if t.is_floating_point() and not isinstance(t, nn.Parameter)]
+    assert sum(t.numel() for t in floats) <= 2  # scales: no logits, no log-softmax, no float head input
+
+
+def test_the_head_unit_refuses_a_model_whose_loss_is_not_the_causal_lm_loss():
+    model = small_llama()
+    model.loss_function = lambda **kwargs: None
+    with pytest.raises(ValueError, match="drop 'head' from kinds"):
+        find_units(model, "act_quant", kinds=["head"])

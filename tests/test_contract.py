@@ -52,7 +52,7 @@ def _model(backend: str, path: Path) -> tuple[torch.nn.Module, dict]:
     if backend == "torchao_float8":
         return _float8(path), {}
     if backend == "act_quant":
-        return _plain(path), {"kinds": ["linear", "attention"]}
+        return _plain(path), {"kinds": "all"}
     return _plain(path), {}
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "ChunkedHeadLoss",
     "QuantSavedAttention",
     "QuantSavedLinear",
+    "QuantSavedRMSNorm",
     "QuantSavedRecompute",
     "SaveCache",
     "SaveSpec",
@@ -77,7 +78,7 @@ class ActQuantOptions(SignalOptions):
         default_factory=lambda: ["linear"],
         metadata={
             "help": "Which units to make: 'linear' (nn.Linear saved inputs), 'attention' (saved q, k, v of "
-            "attention), 'mlp' (the SwiGLU product's operands), 'norm' (norm inputs), 'head' (the output head's "
+            "attention), 'mlp' (the SwiGLU product's operands), 'norm' (RMSNorm inputs), 'head' (the output head's "
             "input, with the loss in chunks) or 'all'; several separated by ';' on the command line, e.g. "
             "'kinds=linear;attention'."
         },
@@ -638,23 +639,12 @@ def _is_attention(module: nn.Module) -> bool:
 
 class QuantSavedRecompute(torch.autograd.Function):
     """`fn(*inputs)` computed exactly, whose inputs are saved as `spec` says; the backward recomputes `fn` on the
-    restored copies under autograd (activation checkpointing from a quantized checkpoint).
-
-    `fn` is elementwise or row-wise and cheap (SwiGLU's `act_fn(g) * u`, a norm's own forward), so the recompute costs
-    little next to the GEMMs around it. `params`: the tensors `fn` reads besides its inputs (a norm's weight); they get
-    their gradients from the recompute. The recompute runs under the forward's autocast state.
+    restored copies under autograd (activation checkpointing from a quantized checkpoint). For a cheap elementwise
+    `fn` (SwiGLU's `act_fn(g) * u`), next to the GEMMs around it; the recompute runs under the forward's autocast.
     """
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        fn: Any,
-        spec: SaveSpec,
-        cache: SaveCache | None,
-        n_inputs: int,
-        *tensors: torch.Tensor,
-    ) -> torch.Tensor:
-        inputs, ctx.params = tensors[:n_inputs], tensors[n_inputs:]
+    def forward(ctx: Any, fn: Any, spec: SaveSpec, cache: SaveCache | None, *inputs: torch.Tensor) -> torch.Tensor:
         # Grad mode is off here: the module's own computation, bit for bit.
         out = fn(*inputs)
         saved: list[torch.Tensor] = []
@@ -676,17 +666,17 @@ class QuantSavedRecompute(torch.autograd.Function):
         inputs = []
         for i, (count, meta) in enumerate(zip(ctx.counts, ctx.metas, strict=True)):
             x = SaveSpec.restore(tuple(tensors[:count]), meta).detach()
-            inputs.append(x.requires_grad_(ctx.needs_input_grad[4 + i]))
+            inputs.append(x.requires_grad_(ctx.needs_input_grad[3 + i]))
             del tensors[:count]
-        wanted = [t for t in (*inputs, *ctx.params) if t.requires_grad]
-        grads: list[torch.Tensor | None] = [None] * (len(inputs) + len(ctx.params))
+        wanted = [x for x in inputs if x.requires_grad]
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
         if wanted:
             device, dtype, enabled = ctx.autocast
             with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
                 out = ctx.fn(*inputs)
-            found = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-            grads = [next(found) if t.requires_grad else None for t in (*inputs, *ctx.params)]
-        return None, None, None, None, *grads
+            found = iter(torch.autograd.grad(out, wanted, grad_out))
+            grads = [next(found) if x.requires_grad else None for x in inputs]
+        return None, None, None, *grads
 
 
 def _operands_severity(spec: SaveSpec, cache: SaveCache, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -737,19 +727,57 @@ class ActQuantMLPUnit(_SavesActivations, SwitchedUnit):
         self.measure(gate, up)
         if self.measuring:
             self.report_fidelity(_operands_severity(self.cheap_spec(), self._cache, (gate, up)))
-        product = QuantSavedRecompute.apply(self._product, self.current_spec(), self._cache, 2, gate, up)
+        product = QuantSavedRecompute.apply(self._product, self.current_spec(), self._cache, gate, up)
         return m.down_proj(product)
 
 
+class QuantSavedRMSNorm(torch.autograd.Function):
+    """An RMSNorm, `weight * (x * rstd).to(x.dtype)` with `rstd = rsqrt(mean(x^2) + eps)` in float32, computed by the
+    module's own `forward` (bit for bit); saves `x` as `spec` says and the exact float32 `rstd` (one per row). The
+    backward uses the restored `x` with the exact `rstd`: a row of `x` rounded to zeros does not blow up its scale."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        forward: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        spec: SaveSpec,
+        cache: SaveCache | None,
+    ) -> torch.Tensor:
+        out = forward(x)
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        saved, ctx.meta = spec.save(x, cache)
+        ctx.count = len(saved)
+        ctx.save_for_backward(*saved, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        *saved, rstd, weight = ctx.saved_tensors
+        x = SaveSpec.restore(tuple(saved), ctx.meta)
+        y = (x.float() * rstd).to(x.dtype)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[2]:
+            grad_w = (grad_out * y).reshape(-1, y.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[1]:
+            dy = (grad_out * weight).float()
+            y32 = x.float() * rstd
+            grad_x = (rstd * (dy - y32 * (dy * y32).mean(-1, keepdim=True))).to(x.dtype)
+        return None, grad_x, grad_w, None, None, None
+
+
 class ActQuantNormUnit(_SavesActivations, SwitchedUnit):
-    """One norm module (LLaMA's `LlamaRMSNorm`, or any leaf `*RMSNorm` / `*LayerNorm` / `nn.LayerNorm`) whose input
-    is saved at `low_bits` / `high_bits` instead of what its ops keep (the input and the normalized copy); the
-    backward recomputes the module's own forward from the saved copy. Signal: its own weight's gradient (`signal=`)."""
+    """One RMSNorm module (LLaMA's `LlamaRMSNorm`: `weight * x / rms(x)`) whose input is saved at `low_bits` /
+    `high_bits` instead of what its ops keep (the input and the normalized copy), with its exact per-row `rstd`.
+    Signal: its own weight's gradient (`signal=`)."""
 
     kind = "norm"
     fidelity_bound = "saved input at low_bits: max(relative L2 error / 2, row-sum bias / 0.1)"
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
+        self.eps = _check_rms_norm(name, module)
         self._cache = ctx.once(_save_cache)
         super().__init__(name, module, ctx)
 
@@ -760,13 +788,30 @@ class ActQuantNormUnit(_SavesActivations, SwitchedUnit):
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        params = [p for p in self.module.parameters(recurse=False) if p.requires_grad]
-        if not (torch.is_grad_enabled() and (x.requires_grad or params)):
+        weight = self.module.weight
+        if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return self._module_forward(x)
         self.measure(x)
         if self.measuring:
             self.report_fidelity(self.cheap_spec().loss(x, self._cache))
-        return QuantSavedRecompute.apply(self._module_forward, self.current_spec(), self._cache, 1, x, *params)
+        return QuantSavedRMSNorm.apply(self._module_forward, x, weight, self.eps, self.current_spec(), self._cache)
+
+
+def _check_rms_norm(name: str, module: nn.Module) -> float:
+    """The module's epsilon, after checking on a probe row that it computes LLaMA's RMSNorm (Gemma's `1 + weight`
+    or a LayerNorm would get wrong gradients from `QuantSavedRMSNorm`)."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    weight = getattr(module, "weight", None)
+    if isinstance(eps, float) and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        with torch.no_grad():
+            x = torch.linspace(-2.0, 3.0, weight.numel(), device=weight.device, dtype=weight.dtype)
+            expected = weight * (x.float() * torch.rsqrt(x.float().pow(2).mean() + eps)).to(x.dtype)
+            if torch.allclose(module(x), expected, rtol=1e-3, atol=1e-5):
+                return eps
+    raise ValueError(
+        f"act_quant norm unit {name!r}: {type(module).__name__} does not compute LLaMA's RMSNorm, "
+        "weight * x * rsqrt(mean(x^2) + eps) with eps in variance_epsilon or eps; exclude it or drop 'norm' from kinds"
+    )
 
 
 def _is_swiglu_mlp(module: nn.Module) -> bool:
@@ -777,9 +822,8 @@ def _is_swiglu_mlp(module: nn.Module) -> bool:
 
 
 def _is_norm(module: nn.Module) -> bool:
-    """A leaf norm module: `nn.LayerNorm`, or a class named `*RMSNorm` / `*LayerNorm` (transformers' norms)."""
-    named = type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
-    return (isinstance(module, nn.LayerNorm) or named) and next(module.children(), None) is None
+    """A leaf module whose class is named `*RMSNorm` (transformers' RMSNorms; `ActQuantNormUnit` checks the math)."""
+    return type(module).__name__.endswith("RMSNorm") and next(module.children(), None) is None
 
 
 # ---------------------------------------------------------------------------------------------- the head
@@ -992,7 +1036,7 @@ ACT_QUANT = Backend(
     hint=(
         "The act_quant backend manages nn.Linear layers (kinds=linear), transformers attention modules with "
         "q_proj/k_proj/v_proj (kinds=attention), gated MLPs with gate_proj/up_proj/down_proj/act_fn (kinds=mlp), "
-        "norm modules (kinds=norm) and a causal LM's output head (kinds=head)."
+        "RMSNorm modules (kinds=norm) and a causal LM's output head (kinds=head)."
     ),
 )
 
