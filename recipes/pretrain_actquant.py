@@ -32,21 +32,32 @@ AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the 
 (`gnmr_hf.experiments.pretrain`: preset, arms, seeds, corpus, model size, oracle) and `GNMRConfig` (the
 controller and the
 backend; here `--backend act_quant` and its `--backend_options`, see `gnmr_hf.backends.act_quant`). Without
-`--include`, the units are the q/k/v/o/gate/up/down projections and the attention modules of every layer.
+`--include`, the units are the q/k/v/o/gate/up/down projections and the attention modules of every layer, and, for
+the kinds that `--backend_options` selects beyond those (`kinds=all`: docs/act_quant.md), every MLP, RMSNorm and the
+head:
+
+    python recipes/pretrain_actquant.py --preset tiny --output_dir runs/pt_all --arms static_low \
+        --backend_options 'kinds=all,low_bits=4'
 """
 
 from __future__ import annotations
 
 import sys
 
+from gnmr_hf import get_backend
 from gnmr_hf.experiments.pretrain import parse_recipe_arguments, run_recipe
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$", r"\.self_attn$"]
+# The modules of the other act_quant kinds in a LLaMA, added to the default include when `kinds` selects them.
+KIND_MODULES = {"mlp": r"\.mlp$", "norm": r"norm$", "head": r"^lm_head$"}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     args, pretrain, config = parse_recipe_arguments(argv, backend="act_quant", include=PROJECTIONS)
+    if config.backend == "act_quant" and not any(a.split("=", 1)[0] == "--include" for a in argv):
+        kinds = get_backend("act_quant").parse_options(config.backend_options).kinds
+        config.include = PROJECTIONS + [KIND_MODULES[k] for k in kinds if k in KIND_MODULES]
     return run_recipe(args, pretrain, config)
 
 

@@ -574,3 +574,18 @@ def test_the_head_unit_refuses_a_model_whose_loss_is_not_the_causal_lm_loss():
     model.loss_function = lambda **kwargs: None
     with pytest.raises(ValueError, match="drop 'head' from kinds"):
         find_units(model, "act_quant", kinds=["head"])
+
+
+def test_every_unit_of_kinds_all_reports_its_fidelity_on_both_paths():
+    model = small_llama()
+    units = find_units(model, "act_quant", kinds="all", low_bits=2, high_bits=8)
+    ids = torch.randint(0, 64, (2, 16))
+    for unit in units:
+        unit.start_measuring()
+    for recovering in (False, True):
+        for unit in units:
+            unit.enter_recovery() if recovering else unit.exit_recovery()
+        model(input_ids=ids, labels=ids).loss.backward()
+        taken = {u.name: u.take_fidelity() for u in units}
+        assert all(t is not None and 0 < t.item() < float("inf") for t in taken.values()), taken
+    units.close()
