@@ -589,3 +589,30 @@ def test_every_unit_of_kinds_all_reports_its_fidelity_on_both_paths():
         taken = {u.name: u.take_fidelity() for u in units}
         assert all(t is not None and 0 < t.item() < float("inf") for t in taken.values()), taken
     units.close()
+
+
+def test_the_benchmarks_count_from_shapes_matches_the_measurement_so_its_13b_table_can_be_trusted():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from gnmr_hf.experiments.pretrain import build_model, llama_config
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "act_quant_memory.py"
+    spec = importlib.util.spec_from_file_location("act_quant_memory", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclass looks its module up
+    spec.loader.exec_module(bench)
+    config = llama_config(32, 2, 2, 16)
+    shapes = bench.Shapes(32, 2, 2, 2, config.intermediate_size, 256, batch=2, seq_len=16)
+    ids = torch.randint(0, 256, (2, 16))
+    assert bench.saved_bytes(build_model(config, 0), ids)["total"] == sum(bench.shape_bytes(shapes).values())
+    for kinds, bits, scaling in [(("linear",), 16, "tensor"), (("linear",), 4, "row"), (bench.KINDS, 8, "row")]:
+        model = build_model(config, 0)
+        include = [bench.INCLUDE[k] for k in kinds]
+        units = find_units(
+            model, "act_quant", kinds=kinds, include=include, low_bits=bits, high_bits=16, scaling=scaling
+        )
+        measured = bench.saved_bytes(model, ids)["total"]
+        assert measured == sum(bench.shape_bytes(shapes, kinds, bits, scaling).values()), (kinds, bits)
+        units.close()
