@@ -2,10 +2,11 @@
 in recovery (the paper's first scenario: 4-bit saved activations, 8-bit recovery, during pretraining).
 
 The forward is exact at every width; only what autograd keeps for the backward is quantized (packed codes plus
-float32 scales, so saved-tensor hooks see the real bytes). Unit kinds (`kinds`): `linear`, an `nn.Linear`'s saved
-input; `attention`, a transformers attention's saved q, k, v, through `attn_implementation="gnmr_act_quant"`
-(FlashAttention-style: the backward recomputes the probabilities from q, k and the row logsumexp). A flip changes
-what the next forward saves. Kinds, bits, scaling, bounds, the ledger and fault injection: docs/act_quant.md.
+float32 scales, so saved-tensor hooks see the real bytes). Unit kinds (`kinds`, or `all`): `linear`, an
+`nn.Linear`'s saved input; `attention`, a transformers attention's saved q, k, v, through
+`attn_implementation="gnmr_act_quant"` (FlashAttention-style: the backward recomputes the probabilities from q, k and
+the row logsumexp); `mlp`, a SwiGLU MLP's product operands; `norm`, an RMSNorm's input; `head`, the output head's
+input, with the causal-LM loss in chunks so that no logits are kept. A flip changes what the next forward saves. Kinds, bits, scaling, bounds, the ledger and fault injection: docs/act_quant.md.
 """
 
 from __future__ import annotations
