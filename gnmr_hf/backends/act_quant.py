@@ -6,7 +6,8 @@ float32 scales, so saved-tensor hooks see the real bytes). Unit kinds (`kinds`, 
 `nn.Linear`'s saved input; `attention`, a transformers attention's saved q, k, v, through
 `attn_implementation="gnmr_act_quant"` (FlashAttention-style: the backward recomputes the probabilities from q, k and
 the row logsumexp); `mlp`, a SwiGLU MLP's product operands; `norm`, an RMSNorm's input; `head`, the output head's
-input, with the causal-LM loss in chunks so that no logits are kept. A flip changes what the next forward saves. Kinds, bits, scaling, bounds, the ledger and fault injection: docs/act_quant.md.
+input, with the causal-LM loss in chunks so that no logits are kept. A flip changes what the next forward saves.
+Kinds, bits, scaling, bounds, the ledger and fault injection: docs/act_quant.md.
 """
 
 from __future__ import annotations
