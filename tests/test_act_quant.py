@@ -616,3 +616,17 @@ def test_the_benchmarks_count_from_shapes_matches_the_measurement_so_its_13b_tab
         measured = bench.saved_bytes(model, ids)["total"]
         assert measured == sum(bench.shape_bytes(shapes, kinds, bits, scaling).values()), (kinds, bits)
         units.close()
+
+
+def test_a_norm_that_is_not_llamas_rms_norm_is_refused():
+    class GemmaStyleRMSNorm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(8))
+            self.eps = 1e-6
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    with pytest.raises(ValueError, match="does not compute LLaMA's RMSNorm"):
+        find_units(nn.Sequential(GemmaStyleRMSNorm()), "act_quant", kinds=["norm"])

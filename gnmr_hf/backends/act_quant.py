@@ -801,15 +801,17 @@ class ActQuantNormUnit(_SavesActivations, SwitchedUnit):
 
 def _check_rms_norm(name: str, module: nn.Module) -> float:
     """The module's epsilon, after checking on a probe row that it computes LLaMA's RMSNorm (Gemma's `1 + weight`
-    or a LayerNorm would get wrong gradients from `QuantSavedRMSNorm`)."""
+    or a LayerNorm would get wrong gradients from `QuantSavedRMSNorm`). The probe runs with a weight of its own
+    (`functional_call`), so a sharded or offloaded weight is neither read nor gathered."""
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
     if isinstance(eps, float) and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        n = weight.shape[0]
+        x, w = torch.linspace(-2.0, 3.0, n), torch.linspace(0.5, 1.5, n)
         with torch.no_grad():
-            x = torch.linspace(-2.0, 3.0, weight.numel(), device=weight.device, dtype=weight.dtype)
-            expected = weight * (x.float() * torch.rsqrt(x.float().pow(2).mean() + eps)).to(x.dtype)
-            if torch.allclose(module(x), expected, rtol=1e-3, atol=1e-5):
-                return eps
+            out = torch.func.functional_call(module, {"weight": w}, (x,))
+        if torch.allclose(out, w * x * torch.rsqrt(x.pow(2).mean() + eps), rtol=1e-4, atol=1e-6):
+            return eps
     raise ValueError(
         f"act_quant norm unit {name!r}: {type(module).__name__} does not compute LLaMA's RMSNorm, "
         "weight * x * rsqrt(mean(x^2) + eps) with eps in variance_epsilon or eps; exclude it or drop 'norm' from kinds"
