@@ -1,13 +1,17 @@
 """Seconds per training step (forward and backward) of the probe-scale LLaMA, plain against `act_quant` with every
-kind, and the split between quantization and the rest.
+kind, and the split between quantization and the rest; on a GPU also the peak memory of the step.
 
     python benchmarks/act_quant_step_time.py               # d=128, 4 layers, batch 16 x 128, one thread
+    python benchmarks/act_quant_step_time.py --device cuda --bf16 --d_model 2048 --n_layers 22 --n_heads 32 \
+        --vocab 32000 --batch 8 --seq_len 512               # a 1B-class LLaMA (TinyLlama's shape), from gpu_check.sh
 
 Settings: the plain model (sdpa attention); `kinds=all` at 16 bits (our code path with nothing quantized: eager
 attention with the recomputing backward, the SwiGLU and RMSNorm functions, the chunked loss); at 8 and 4 bits. The
 quantization's share is the 8 or 4 bits step minus the 16 bits one (quantizing, packing, dequantizing); the rest is
 the 16 bits step minus the plain one. On a CPU the quantizer is emulated in eager PyTorch, so this is reported, not
-a goal. Median of `--steps` steps after one warm-up step.
+a goal. Median of `--steps` steps after one warm-up step. On CUDA, "peak GiB" is the most memory allocated during a
+step above what the model, its gradients and the batch hold before it: the activations, and the backward's
+transients.
 """
 
 from __future__ import annotations
@@ -22,42 +26,66 @@ from gnmr_hf import find_units
 from gnmr_hf.experiments.pretrain import build_model, llama_config
 
 
-def step_seconds(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> float:
-    times = []
+def step_seconds(model: torch.nn.Module, ids: torch.Tensor, steps: int, bf16: bool) -> tuple[float, float]:
+    """(median seconds per step, peak bytes above the step's start on CUDA, else 0)."""
+    cuda = ids.device.type == "cuda"
+    times, peak = [], 0
     for _ in range(steps + 1):
-        model.zero_grad()
+        model.zero_grad(set_to_none=False)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]), peak
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--d_model", type=int, default=128)
     parser.add_argument("--n_layers", type=int, default=4)
+    parser.add_argument("--n_heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--bf16", action="store_true", help="Run the step under bf16 autocast.")
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
     cli = parser.parse_args()
-    torch.set_num_threads(1)
-    config = llama_config(cli.d_model, cli.n_layers, 4, cli.seq_len)
-    ids = torch.randint(0, 256, (cli.batch, cli.seq_len), generator=torch.Generator().manual_seed(0))
-    plain = step_seconds(build_model(config, 0), ids, cli.steps)
-    rows = [("plain model (sdpa)", plain)]
-    for bits in (16, 8, 4):
-        model = build_model(config, 0)
-        units = find_units(model, "act_quant", kinds="all", low_bits=bits, high_bits=16)
-        rows.append((f"all, {bits} bits", step_seconds(model, ids, cli.steps)))
-        units.close()
-    unquantized = rows[1][1]
-    print(f"Seconds per step: batch {cli.batch} x {cli.seq_len}, d={cli.d_model}, {cli.n_layers} layers, 1 thread")
-    print("| setting | s/step | vs plain | quantization s | rest over plain s |")
-    print("|---|---|---|---|---|")
-    for name, seconds in rows:
+    if cli.device == "cpu":
+        torch.set_num_threads(1)
+    config = llama_config(cli.d_model, cli.n_layers, cli.n_heads, cli.seq_len, cli.vocab)
+    ids = torch.randint(0, cli.vocab, (cli.batch, cli.seq_len), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(cli.device)
+    rows = []
+    for bits in (None, 16, 8, 4):
+        model = build_model(config, 0).to(cli.device)
+        units = None if bits is None else find_units(model, "act_quant", kinds="all", low_bits=bits, high_bits=16)
+        name = "plain model (sdpa)" if bits is None else f"all, {bits} bits"
+        rows.append((name, *step_seconds(model, ids, cli.steps, cli.bf16)))
+        if units is not None:
+            units.close()
+        del model
+    plain, unquantized = rows[0][1], rows[1][1]
+    where = "1 thread" if cli.device == "cpu" else cli.device
+    print(
+        f"Seconds per step: batch {cli.batch} x {cli.seq_len}, d={cli.d_model}, {cli.n_layers} layers, "
+        f"vocabulary {cli.vocab}, {where}{', bf16 autocast' if cli.bf16 else ''}"
+    )
+    print("| setting | s/step | vs plain | quantization s | rest over plain s | peak GiB |")
+    print("|---|---|---|---|---|---|")
+    for name, seconds, peak in rows:
         quant = f"{seconds - unquantized:.3f}" if name.startswith("all") else "-"
         rest = f"{unquantized - plain:.3f}" if name.startswith("all") else "-"
-        print(f"| {name} | {seconds:.3f} | {seconds / plain:.2f} | {quant} | {rest} |")
+        memory = f"{peak / 2**30:.2f}" if peak else "-"
+        print(f"| {name} | {seconds:.3f} | {seconds / plain:.2f} | {quant} | {rest} | {memory} |")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# bash benchmarks/gpu_check.sh [OUT]                      (default runs/gpu_check; one CUDA GPU, under 5 minutes)
+# bash benchmarks/gpu_check.sh [OUT]                      (default runs/gpu_check; one CUDA GPU, under 9 minutes)
 #
 # GNMR on a GPU with a LLaMA of realistic shape (1.1B parameters, random weights, built and saved as safetensors
 # here, loaded in 8-bit with LoRA; nothing is downloaded): step time of plain / monitor-only / active GNMR,
 # device-to-host syncs per step, the flip latency against one host-to-device copy of the unit's BF16 weight, and
-# peak memory. What each number means: benchmarks/gpu_check.py. On a CPU, check the logic with
+# peak memory (benchmarks/gpu_check.py says what each number means); then act_quant's saved activations at 16/8/4 bits
+# against plain (benchmarks/act_quant_step_time.py). On a CPU, check the logic with
 #     python benchmarks/gpu_check.py --size tiny --steps 4 --out runs/gpu_check_cpu
 set -euo pipefail
 
@@ -22,3 +23,6 @@ PY
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # A hard stop a little under the 5 minutes this check is sized for.
 timeout 290 python benchmarks/gpu_check.py --size 1b --out "$OUT"
+# act_quant with every kind on a 1B-class LLaMA: step time and peak memory against plain (about 2 minutes more).
+timeout 240 python benchmarks/act_quant_step_time.py --device cuda --bf16 --d_model 2048 --n_layers 22 --n_heads 32 \
+    --vocab 32000 --batch 8 --seq_len 512
