@@ -630,3 +630,18 @@ def test_a_norm_that_is_not_llamas_rms_norm_is_refused():
 
     with pytest.raises(ValueError, match="does not compute LLaMA's RMSNorm"):
         find_units(nn.Sequential(GemmaStyleRMSNorm()), "act_quant", kinds=["norm"])
+
+
+def test_an_mlp_unit_is_scored_on_its_lora_adapters_and_a_frozen_one_on_its_output_gradient():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(small_llama(), LoraConfig(r=2, target_modules=["gate_proj", "up_proj"]))
+    units = {u.name: u for u in find_units(model, "act_quant", kinds=["mlp"])}
+    mlp = model.base_model.model.model.layers[0].mlp
+    expected = [*mlp.gate_proj.lora_A.default.parameters(), *mlp.gate_proj.lora_B.default.parameters()]
+    expected += [*mlp.up_proj.lora_A.default.parameters(), *mlp.up_proj.lora_B.default.parameters()]
+    unit = units["model.layers.0.mlp"]
+    assert unit.signal == "gate_up_lora" and [id(t) for t in unit.signal_tensors()] == [id(t) for t in expected]
+    frozen = small_llama().requires_grad_(False)
+    unit = find_units(frozen, "act_quant", kinds=["mlp"])[0]
+    assert unit.signal == "output_grad" and unit.output_grad is not None

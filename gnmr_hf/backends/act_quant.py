@@ -25,7 +25,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..fidelity import operand_loss, row_sum_loss
 from ..quant import QuantizedTensor, quantize_absmax, quantized_nbytes
-from ..signals import Signal, SignalOptions, signal_option
+from ..signals import Signal, SignalOptions, adapter_tensors, signal_option
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit, unit_of
 
 __all__ = [
@@ -91,7 +91,7 @@ class ActQuantOptions(SignalOptions):
     )
     signal: str = signal_option(
         note=" Linear, norm and head units: attention units use their q/k/v projection weights, mlp units their "
-        "gate/up projection weights."
+        "gate/up projections' LoRA adapters or weights."
     )
 
     def __post_init__(self) -> None:
@@ -691,7 +691,8 @@ class ActQuantMLPUnit(_SavesActivations, SwitchedUnit):
     """One SwiGLU MLP (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, LLaMA's `LlamaMLP`) whose product saves its
     operands, the gate and up projections' outputs, at `low_bits` / `high_bits`; the backward recomputes `act_fn`
     from the saved gate output. The projections themselves are `linear` units (or plain Linears). Signal: the
-    gradients of its gate and up projection weights, the nearest weights the saved operands feed."""
+    gradients of its gate and up projections' LoRA adapters, else weights (the nearest trainable tensors the saved
+    operands feed), else of its output."""
 
     kind = "mlp"
     fidelity_bound = (
@@ -703,14 +704,15 @@ class ActQuantMLPUnit(_SavesActivations, SwitchedUnit):
         super().__init__(name, module, ctx)
 
     def find_signal(self, ctx: DispatchContext) -> Signal:
-        weights = [getattr(self.module, p).weight for p in ("gate_proj", "up_proj")]
-        trainable = [w for w in weights if w.requires_grad]
-        if not trainable:
-            raise ValueError(
-                f"act_quant mlp unit {self.name!r}: neither its gate nor its up projection weight requires grad, so "
-                "it has no signal; exclude it or drop 'mlp' from kinds"
-            )
-        return Signal("gate_up_weight", trainable)
+        # The LoRA adapters of the projections when they have some, else their trainable weights, else (a frozen
+        # MLP, nothing of its own to score) the gradient of the MLP's output.
+        projections = [getattr(self.module, p) for p in ("gate_proj", "up_proj")]
+        tuners = [ctx.tuner(getattr(m, "base_layer", m)) for m in projections]
+        lora = [t for tuner in tuners if tuner is not None for t in adapter_tensors(tuner)]
+        if lora:
+            return Signal("gate_up_lora", lora)
+        weights = [m.weight for m in projections if m.weight.requires_grad]
+        return Signal("gate_up_weight", weights) if weights else Signal("output_grad", [])
 
     def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._mlp(x)
