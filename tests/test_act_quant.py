@@ -365,8 +365,8 @@ def test_kinds_all_saves_at_most_a_quarter_of_the_plain_model_at_4_bits_and_a_th
     units.close()
 
 
-@pytest.mark.parametrize("kind", ["mlp", "norm", "head"])
-def test_a_flip_of_a_new_kind_takes_effect_from_the_next_forward_only(kind):
+@pytest.mark.parametrize("kind", ["attention", "mlp", "norm", "head"])
+def test_a_flip_of_each_kind_takes_effect_from_the_next_forward_only(kind):
     model = small_llama()
     units = find_units(model, "act_quant", kinds=[kind], low_bits=2, high_bits=8)
     unit = units[0]
