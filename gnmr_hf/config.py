@@ -98,6 +98,13 @@ class GNMRConfig:
             "unit in other layers) and above cause_suspect is broken. > 1."
         },
     )
+    cause_fidelity_rows: int = field(
+        default=256,
+        metadata={
+            "help": "policy='cause': rows of each tensor a fidelity measure reads, spread over the tensor and moving "
+            "each step (0: every row). Bounds what measuring costs, whatever the batch (docs/method.md)."
+        },
+    )
     # Integration knobs: the controller ignores these, the callback reads them.
     backend: str = field(
         default="bnb_int8",
@@ -152,6 +159,7 @@ class GNMRConfig:
         self._check_threshold("cause_suspect")
         if self.cause_suspect > 1:
             raise ValueError(f"GNMRConfig.cause_suspect must be in (0, 1], got {self.cause_suspect}")
+        self._check_int("cause_fidelity_rows", 0)
         self._check_threshold("cause_peer_factor")
         if self.cause_peer_factor <= 1:
             raise ValueError(f"GNMRConfig.cause_peer_factor must be > 1, got {self.cause_peer_factor}")

@@ -209,6 +209,7 @@ def quantize_absmax(
     group_size: int | None = None,
     stochastic: bool = False,
     generator: torch.Generator | None = None,
+    rows: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Symmetric absmax quantization of `x` to `bits` in 2..8, codes -qmax..qmax, packed (see the module docstring).
 
@@ -216,8 +217,18 @@ def quantize_absmax(
     (which it must divide) that get one scale each. A group of zeros gets scale 0 and dequantizes to exact
     zeros; a group holding a NaN or inf gets scale NaN and dequantizes to NaN. stochastic: round with
     floor(v + U[0, 1)) instead of to nearest (ties to even); `generator` makes the draws reproducible.
+    rows: quantize only these rows of `x` (as [-1, x.shape[-1]]), with the scales quantizing all of `x` gives
+    them (one scale per tensor: from all of `x`); the result has shape [len(rows), x.shape[-1]]. What a fidelity
+    measure reads (`gnmr_hf.fidelity.spread_rows`) at the cost of those rows.
     """
-    groups, scales = _absmax_scales("quantize_absmax", x, bits, group_size)
+    if rows is None:
+        groups, scales = _absmax_scales("quantize_absmax", x, bits, group_size)
+    else:
+        sub = x.reshape(-1, x.shape[-1]).index_select(0, rows)
+        groups, scales = _absmax_scales("quantize_absmax", sub, bits, group_size)
+        if group_size is None:
+            scales = _absmax_scales("quantize_absmax", x, bits, None)[1]
+        x = sub
     qmax = 2 ** (bits - 1) - 1
     # Zero and NaN groups divide by 1: their codes are then defined (0 after nan_to_num) and the scale decides.
     v = groups / torch.where(scales > 0, scales, 1.0).unsqueeze(-1)

@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 from torch import nn
 
+from .fidelity import spread_rows
 from .options import BackendOptions
 from .signals import OutputGradMeter, Signal, resolve_signal
 
@@ -137,8 +138,13 @@ class RecoverableUnit:
     # is on (the cause policy turns it on: the paper's policy pays nothing). None: this kind reports nothing.
     fidelity_bound: str | None = None
     measure_fidelity = False
+    # How many rows of each tensor a measurement reads (0: all; `gnmr_hf.fidelity.spread_rows`).
+    fidelity_rows = 0
     _fidelity_sum: torch.Tensor | None = None
     _fidelity_count = 0
+    _fidelity_draws = 0
+    _fidelity_step = 0
+    _fidelity_clock: Callable[[], int] | None = None
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         owner = unit_of(module)
@@ -217,8 +223,24 @@ class RecoverableUnit:
         from a forward pre-hook. None (the default): the backend reports from its own code, or nothing."""
         return None
 
-    def start_measuring(self) -> None:
-        """Turn fidelity measurement on (the cause policy does, at train begin). Idempotent."""
+    def sample_rows(self, n: int, device: torch.device | str, count: int | None = None) -> torch.Tensor | None:
+        """The rows of an n-row tensor this measurement reads: `count` (default `fidelity_rows`) of them, spread
+        (`gnmr_hf.fidelity.spread_rows`); None: all."""
+        # The rows depend only on the optimizer step and the measurement's place in it, so that a resumed run
+        # reads the rows the uninterrupted one read.
+        step = 0 if self._fidelity_clock is None else self._fidelity_clock()
+        if step != self._fidelity_step:
+            self._fidelity_step, self._fidelity_draws = step, 0
+        self._fidelity_draws += 1
+        draw = step * 65537 + self._fidelity_draws
+        return spread_rows(n, self.fidelity_rows if count is None else count, draw, device)
+
+    def start_measuring(self, rows: int = 0, clock: Callable[[], int] | None = None) -> None:
+        """Turn fidelity measurement on (the cause policy does, at train begin), reading `rows` rows of each
+        tensor measured (0: all of them); `clock()` gives the optimizer step, which picks the rows. Idempotent."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"start_measuring: rows must be an int >= 0 (0: every row), got {rows!r}")
+        self.fidelity_rows, self._fidelity_clock = rows, clock
         if self.measure_fidelity or self.closed:
             return
         self.measure_fidelity = True
@@ -265,7 +287,7 @@ class RecoverableUnit:
         hook = self.__dict__.pop("_input_hook", None)
         if hook is not None:
             hook.remove()
-        self.measure_fidelity = False
+        self.measure_fidelity, self._fidelity_clock = False, None
         if self.output_grad is not None:
             self.output_grad.remove()
             self.output_grad = None

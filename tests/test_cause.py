@@ -20,7 +20,8 @@ from gnmr_hf.backends.torchao import float8_input_loss
 from gnmr_hf.cause import UnitRelations
 from gnmr_hf.cli import main as cli_main
 from gnmr_hf.experiments.pretrain import build_model, llama_config
-from gnmr_hf.fidelity import operand_loss, relative_error, row_sum_loss, sum_bias
+from gnmr_hf.fidelity import operand_loss, relative_error, row_sum_loss, spread_rows, sum_bias
+from gnmr_hf.quant import quantize_absmax
 from gnmr_hf.signals import UnitSignals
 
 from trainer_utils import make_trainer, steps_of
@@ -170,6 +171,100 @@ def test_unit_signals_gather_the_fidelity_in_the_same_pass_as_the_norms():
     assert signals.fidelity is not None and signals.fidelity[0] > 0 and signals.fidelity[1].isnan()
     signals.compute()
     assert signals.fidelity is None  # nothing measured since
+
+
+# ------------------------------------------------------------------------------------ measuring a sample of rows
+
+
+def test_spread_rows_are_distinct_spread_over_the_tensor_and_move_from_draw_to_draw():
+    assert spread_rows(100, 0, 1, "cpu") is None and spread_rows(100, 100, 1, "cpu") is None
+    n = 16 * 128  # 16 sequences of 128 tokens
+    seen = set()
+    for draw in range(64):
+        rows = spread_rows(n, 64, draw, "cpu")
+        assert rows.numel() == 64 and rows.unique().numel() == 64 and 0 <= rows.min() and rows.max() < n
+        # A stride coprime with n: not the same token position of every sequence (a period of the data).
+        assert (rows % 128).unique().numel() > 32
+        seen.update(rows.tolist())
+    assert len(seen) > 0.75 * n  # successive draws read most of the tensor
+
+
+@pytest.mark.parametrize("group_size", [None, 8, 32])
+def test_quantizing_sampled_rows_gives_the_rows_of_the_whole_tensors_quantization(group_size):
+    x = torch.randn(40, 32, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 10, 40)[:, None]
+    rows = torch.tensor([3, 17, 39, 0])
+    whole = quantize_absmax(x, 4, group_size=group_size).dequantize()
+    part = quantize_absmax(x, 4, group_size=group_size, rows=rows).dequantize()
+    assert torch.equal(part, whole[rows])  # one scale per tensor: taken from all of x, not from the rows
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "group"])
+@pytest.mark.parametrize("bits", [4, 16])
+def test_save_spec_restores_sampled_rows_exactly_as_the_whole_copy_faults_included(scaling, bits):
+    x = torch.randn(4, 10, 16, generator=torch.Generator().manual_seed(1))
+    rows = torch.tensor([0, 5, 6, 21, 39])
+    for fault in ({}, {"fault_scale": 3.0, "fault_stride": 3}):
+        spec = SaveSpec(bits, scaling, 8, **fault)
+        whole = spec.restore(*spec.save(x)).reshape(-1, 16)
+        assert torch.equal(spec.restore_rows(x, rows), whole[rows])
+        assert spec.loss(x, rows=rows).item() == pytest.approx(
+            operand_loss(x.reshape(-1, 16)[rows], whole[rows]).item()
+        )
+
+
+def _measured(model, units, rows: int, ids) -> list[float]:
+    for unit in units:
+        unit.start_measuring(rows)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return [u.take_fidelity().item() for u in units]
+
+
+@pytest.mark.parametrize(
+    "backend, options, include",
+    [
+        ("act_quant", {"kinds": ["linear", "attention"], "low_bits": 3}, [r"_proj$", r"\.self_attn$"]),
+        ("block_fp", {"low_format": "e2m1", "high_format": "e4m3"}, [r"_proj$"]),
+    ],
+)
+def test_a_sample_of_rows_estimates_every_backends_fidelity_on_both_paths(backend, options, include):
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    model = _small_llama()
+    units = find_units(model, backend, include=include, **options)
+    for recovering in (False, True):
+        for unit in units:
+            (unit.enter_recovery if recovering else unit.exit_recovery)()
+        every = _measured(model, units, 0, ids)
+        sampled = _measured(model, units, 24, ids)  # 24 of 128 token rows (of 512 q/k/v rows)
+        assert all(e > 0 for e in every)
+        for unit, e, s in zip(units, every, sampled, strict=True):
+            assert s == pytest.approx(e, rel=0.35), (unit.name, recovering)
+    units.close()
+
+
+def test_sampled_query_positions_recompute_exactly_the_rows_of_the_whole_probabilities():
+    from gnmr_hf.backends.act_quant import _recomputed_probabilities, _scores
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g)
+    positions = torch.tensor([0, 5, 11])
+    padding = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    padding[1, ..., :3] = False  # the second sequence is left-padded
+    for mask, causal in ((None, True), (padding, True), (None, False)):
+        lse = torch.logsumexp(_scores(q, k, mask, causal, 0.3), dim=-1).nan_to_num(neginf=0.0)
+        whole = _recomputed_probabilities(q, k, lse, mask, causal, 0.3)
+        part = _recomputed_probabilities(q[:, :, positions], k, lse[..., positions], mask, causal, 0.3, positions, 12)
+        torch.testing.assert_close(part, whole[:, :, positions])
+
+
+def test_the_callback_measures_the_configured_rows():
+    model = nn.Sequential(nn.Linear(4, 4))
+    units = find_units(model, "act_quant", low_bits=2)
+    units[0].start_measuring(GNMRConfig().cause_fidelity_rows)
+    assert units[0].fidelity_rows == 256
+    with pytest.raises(ValueError, match="rows must be an int >= 0"):
+        units[0].start_measuring(-1)
+    with pytest.raises(ValueError, match="cause_fidelity_rows must be an int >= 0"):
+        GNMRConfig(cause_fidelity_rows=-2)
 
 
 # --------------------------------------------------------------------------------------------- the policy
@@ -373,13 +468,16 @@ def test_resume_with_the_cause_policy_gives_identical_decisions(
 ):
     # Every measured loss is suspect here, so the injected spike at step 4 puts its family's lossiest unit in
     # recovery and holds it across the checkpoint.
+    # 8 rows of each input measured: the resumed run must read the rows the uninterrupted one read.
     config = GNMRConfig(
-        max_active=2, lock_steps=3, window=3, min_history=3, alpha=4.0, beta=4.0, policy="cause", cause_suspect=1e-6
-    )
+        max_active=2, lock_steps=3, window=3, min_history=3, alpha=4.0, beta=4.0, policy="cause", cause_suspect=1e-6,
+        cause_fidelity_rows=8,
+    )  # fmt: skip
     full = tmp_path / "full"
     make_trainer(tiny_llama_dir, dataset, full, gnmr=config, max_steps=10, spike_step=4).train()
     reference = steps_of(full)
     assert all("cause" in r for r in reference)  # the bnb_int8 units measure their inputs
+    assert len({json.dumps(r["cause"]["severity"]) for r in reference}) > 1  # measured anew each step
     run = tmp_path / "run"
     make_trainer(
         tiny_llama_dir, dataset, run, gnmr=config, max_steps=10, spike_step=4, save_strategy="steps", save_steps=5

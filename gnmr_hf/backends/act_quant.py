@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..fidelity import operand_loss, row_sum_loss
+from ..fidelity import operand_loss, row_sum_loss, take_rows
 from ..quant import QuantizedTensor, quantize_absmax, quantized_nbytes
 from ..signals import Signal, SignalOptions, adapter_tensors, signal_option
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit, unit_of
@@ -168,17 +167,35 @@ class SaveSpec:
         (packed, scales), meta = entry
         return (packed, self._corrupt(scales.reshape(-1)).reshape(scales.shape)), meta
 
-    def loss(self, x: torch.Tensor, cache: SaveCache | None = None) -> torch.Tensor:
-        """What saving `x` this way loses (`gnmr_hf.fidelity.operand_loss` of the restored copy), with the quantized
-        copy taken from or put in `cache`, so that measuring and saving quantize once."""
+    def loss(self, x: torch.Tensor, cache: SaveCache | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """What saving `x` this way loses (`gnmr_hf.fidelity.operand_loss` of the restored copy), on the rows `rows`
+        of `x` (all when None), kept in `cache` so that the units reading one tensor measure it once."""
         key = ("loss", self, x._version)
         cached = None if cache is None else cache.get(x, key)
         if cached is None:
-            saved, meta = self.save(x, cache)
-            cached = operand_loss(x, self.restore(saved, meta))
+            cached = operand_loss(take_rows(x, rows), self.restore_rows(x, rows, cache))
             if cache is not None:
                 cache.put(x, key, cached)
         return cached
+
+    def restore_rows(self, x: torch.Tensor, rows: torch.Tensor | None, cache: SaveCache | None = None) -> torch.Tensor:
+        """Rows `rows` (all when None) of what saving `x` this way gives back, as [-1, x.shape[-1]], computing only
+        those rows: with deterministic rounding the same values `restore(*save(x))` has there, faults included."""
+        if rows is None:
+            return take_rows(self.restore(*self.save(x, cache)), None)
+        if self.bits == UNQUANTIZED:
+            return self._corrupt_at(take_rows(x.detach(), rows), rows)
+        q = quantize_absmax(
+            x.detach(), self.bits, group_size=self.group_for(x.shape), stochastic=self.stochastic, rows=rows
+        )
+        if self.fault_scale != 1.0 and q.scales.dim():
+            # Scale j of sampled row i is scale rows[i] * per_row + j of the whole tensor's.
+            per_row = q.scales.shape[-1]
+            index = (rows.unsqueeze(-1) * per_row + torch.arange(per_row, device=rows.device)).reshape(-1)
+            q = dataclasses.replace(q, scales=self._corrupt_at(q.scales.reshape(-1), index).reshape(q.scales.shape))
+        elif self.fault_scale != 1.0:
+            q = dataclasses.replace(q, scales=q.scales * self.fault_scale)  # the one scale: index 0, always hit
+        return q.dequantize()
 
     def _corrupt(self, rows: torch.Tensor) -> torch.Tensor:
         """`rows` with every `fault_stride`-th one multiplied by `fault_scale` (a copy), or `rows` itself."""
@@ -187,6 +204,13 @@ class SaveSpec:
         rows = rows.clone()
         rows[:: self.fault_stride] *= self.fault_scale
         return rows
+
+    def _corrupt_at(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """`_corrupt` for the rows `rows` that are rows `index` of the whole: those at a multiple of the stride."""
+        if self.fault_scale == 1.0:
+            return rows
+        hit = (index % self.fault_stride == 0).reshape(-1, *([1] * (rows.dim() - 1)))
+        return torch.where(hit, rows * self.fault_scale, rows)
 
     @staticmethod
     def restore(saved: tuple[torch.Tensor, ...], meta: dict[str, Any] | None) -> torch.Tensor:
@@ -331,8 +355,8 @@ class ActQuantLinearUnit(_SavesActivations, SwitchedUnit):
         if torch.is_grad_enabled() and m.weight.requires_grad:
             self.measure(x)
             if self.measuring:
-                # On the cheap path the copy measured is the one saved (the cache quantizes once).
-                self.report_fidelity(self.cheap_spec().loss(x, self._cache))
+                rows = self.sample_rows(x.numel() // max(x.shape[-1], 1), x.device)
+                self.report_fidelity(self.cheap_spec().loss(x, self._cache, rows))
         return QuantSavedLinear.apply(x, m.weight, m.bias, self.current_spec(), self._cache)
 
 
@@ -353,31 +377,44 @@ def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scaling: float,
+    positions: torch.Tensor | None = None,
+    num_queries: int | None = None,
 ) -> torch.Tensor:
-    """Attention logits q k^T * scaling in float32 with the mask applied (-inf where a key is masked out)."""
+    """Attention logits q k^T * scaling in float32 with the mask applied (-inf where a key is masked out). With
+    `positions`, q holds only those query positions (of `num_queries`), and the mask is taken at them."""
     s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scaling
     if mask is not None:
+        if positions is not None:
+            mask = mask.index_select(-2, positions) if mask.shape[-2] > 1 else mask
         return s.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else s + mask.float()
     if is_causal:
-        t, n = s.shape[-2:]
+        n = s.shape[-1]
+        t = s.shape[-2] if positions is None else num_queries
+        query = torch.arange(s.shape[-2], device=s.device) if positions is None else positions
         # Query i sees keys up to i + (n - t): the keys before the queries (a cache) are all visible.
-        keep = torch.ones(t, n, dtype=torch.bool, device=s.device).tril(diagonal=n - t)
+        keep = torch.arange(n, device=s.device) <= query.unsqueeze(-1) + (n - t)
         return s.masked_fill(~keep, -torch.inf)
     return s
 
 
 def _recomputed_probabilities(
-    q: torch.Tensor, k_rep: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None, is_causal: bool, scaling: float
+    q: torch.Tensor,
+    k_rep: torch.Tensor,
+    lse: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scaling: float,
+    positions: torch.Tensor | None = None,
+    num_queries: int | None = None,
 ) -> torch.Tensor:
     """P = exp(q k^T * scaling - lse), as the FlashAttention-style backward recomputes it from the saved q and k
-    (`k_rep`: k with its heads repeated for GQA)."""
-    return torch.exp(_scores(q, k_rep, mask, is_causal, scaling) - lse.unsqueeze(-1))
-
-
-def _operands_loss(tensors: Sequence[torch.Tensor], restored: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The worst `operand_loss` over q, k, v and what their saved copies give back."""
-    return torch.stack([operand_loss(x, r) for x, r in zip(tensors, restored, strict=True)]).max()
+    (`k_rep`: k with its heads repeated for GQA); `positions`: as for `_scores`."""
+    return torch.exp(_scores(q, k_rep, mask, is_causal, scaling, positions, num_queries) - lse.unsqueeze(-1))
 
 
 class QuantSavedAttention(torch.autograd.Function):
@@ -420,11 +457,14 @@ class QuantSavedAttention(torch.autograd.Function):
             saved.append(tensors)
             metas.append(meta)
         ctx.metas, ctx.counts = metas, [len(t) for t in saved]
-        # probe: the unit's fidelity report on the cheap path; the backward adds the recomputed rows' sums.
+        # probe: the unit measuring on the cheap path; the backward adds the recomputed rows' sums.
         ctx.probe = None
         if probe is not None:
-            restored = [SaveSpec.restore(t, m) for t, m in zip(saved, metas, strict=True)]
-            ctx.probe = (probe, _operands_loss((q, k, v), restored))
+            operands = torch.stack(
+                [spec.loss(x, rows=probe.sample_rows(x.numel() // x.shape[-1], x.device)) for x in (q, k, v)]
+            )
+            rows = probe.sample_rows(p.numel() // max(p.shape[-1], 1), p.device)
+            ctx.probe = (probe.report_fidelity, operands.max(), rows)
         ctx.is_causal, ctx.scaling, ctx.renormalize, ctx.groups = is_causal, scaling, renormalize, groups
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.has_mask = mask is not None
@@ -445,8 +485,8 @@ class QuantSavedAttention(torch.autograd.Function):
         k_rep, v_rep = _repeat_kv(k, groups), _repeat_kv(v, groups)
         p = _recomputed_probabilities(q, k_rep, lse, mask, ctx.is_causal, scaling)
         if ctx.probe is not None:
-            report, operands = ctx.probe
-            report(torch.maximum(operands, row_sum_loss(p)))
+            report, operands, rows = ctx.probe
+            report(torch.maximum(operands, row_sum_loss(p, rows)))
         if ctx.renormalize:
             total = p.sum(-1, keepdim=True)
             p = p / torch.where(total > 0, total, 1.0)
@@ -500,7 +540,7 @@ def act_quant_attention(
                 if unit.in_recovery:
                     unit.report_fidelity(unit.shadow_loss(query, key, value, attention_mask, is_causal, scaling))
                 else:
-                    probe = unit.report_fidelity
+                    probe = unit
     out = QuantSavedAttention.apply(query, key, value, attention_mask, is_causal, scaling, spec, renormalize, probe)
     return out.transpose(1, 2).contiguous(), None
 
@@ -590,15 +630,32 @@ class ActQuantAttentionUnit(_SavesActivations):
     ) -> torch.Tensor:
         """What the cheap path would lose on this forward's q, k, v (measured in recovery, where the backward runs
         on the high_bits copies): the operands' loss and the row sums of the probabilities recomputed from the
-        low_bits q and k, exactly as the cheap path's backward would. One extra QK^T per recovered unit."""
+        low_bits q and k, exactly as the cheap path's backward would, at the query positions sampled
+        (`fidelity_rows` rows over batch and heads; all when 0). One extra QK^T per recovered unit, on those rows."""
         spec = self.cheap_spec()
-        restored = [spec.restore(*spec.save(x)) for x in (q, k, v)]
-        groups = q.shape[1] // k.shape[1]
-        exact = _scores(q, _repeat_kv(k, groups), mask, is_causal, scaling)
+        b, h, t, d = q.shape
+        per_head = -(-self.fidelity_rows // (b * h)) if self.fidelity_rows else 0
+        positions = self.sample_rows(t, q.device, per_head)
+        q_rows = None
+        if positions is not None:
+            q_rows = (torch.arange(b * h, device=q.device).unsqueeze(-1) * t + positions).reshape(-1)
+        q_low = spec.restore_rows(q, q_rows).reshape(b, h, -1, d)
+        k_low = spec.restore_rows(k, None).reshape(k.shape)
+        k_rows = self.sample_rows(k.numel() // d, k.device)
+        operands = torch.stack(
+            [
+                operand_loss(take_rows(q, q_rows), q_low.reshape(-1, d)),
+                operand_loss(take_rows(k, k_rows), take_rows(k_low, k_rows)),
+                spec.loss(v, rows=self.sample_rows(v.numel() // d, v.device)),
+            ]
+        )
+        groups = h // k.shape[1]
+        q_exact = q if positions is None else q.index_select(2, positions)
+        exact = _scores(q_exact, _repeat_kv(k, groups), mask, is_causal, scaling, positions, t)
         lse = torch.logsumexp(exact, dim=-1)
         lse = torch.where(torch.isneginf(lse), 0.0, lse)
-        p = _recomputed_probabilities(restored[0], _repeat_kv(restored[1], groups), lse, mask, is_causal, scaling)
-        return torch.maximum(_operands_loss((q, k, v), restored), row_sum_loss(p))
+        p = _recomputed_probabilities(q_low, _repeat_kv(k_low, groups), lse, mask, is_causal, scaling, positions, t)
+        return torch.maximum(operands.max(), row_sum_loss(p))
 
     def _close(self) -> None:
         self._switch.release()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fidelity import operand_loss
+from ..fidelity import operand_loss, take_rows
 from ..quant import FORMATS, quantize_blocks
 from ..signals import SignalOptions
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
@@ -81,15 +81,22 @@ class BlockFPLinear(torch.autograd.Function):
             out += bias
         ctx.save_for_backward(x, weight)
         ctx.fmt, ctx.has_bias = fmt, bias is not None
-        # probe: (the unit's fidelity report, its cheap format). The fprop operands' loss now, the dgrad operand's
-        # (the output gradient) in the backward, one report of the worst; on the recovery path the cheap format
-        # rounds them a second time, only to measure.
+        # probe: (the measuring unit, its cheap format). The fprop operands' loss now, the dgrad operand's (the
+        # output gradient) in the backward, one report of the worst, each on the unit's sample of rows; on the
+        # recovery path the cheap format rounds those rows a second time, only to measure (activation tiles are
+        # row-local, so the sampled rows round as in the whole; a weight's 128x128 blocks are rounded whole).
         ctx.probe = None
         if probe is not None:
-            report, cheap = probe
+            unit, cheap = probe
+            rows, w_rows = unit.sample_rows(x2.shape[0], x.device), unit.sample_rows(weight.shape[0], x.device)
+            x_rows = take_rows(x2, rows)
+            xq_rows = take_rows(xq, rows) if cheap == fmt else cheap.operand(x_rows, 1)
             if cheap != fmt:
-                xq, wq = cheap.operand(x2, 1), cheap.operand(weight, 1, weight=True)
-            ctx.probe = (report, cheap, torch.maximum(operand_loss(x2, xq), operand_loss(weight, wq)))
+                wq = cheap.operand(weight, 1, weight=True)
+            loss = torch.maximum(
+                operand_loss(x_rows, xq_rows), operand_loss(take_rows(weight, w_rows), take_rows(wq, w_rows))
+            )
+            ctx.probe = (unit, cheap, loss)
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
 
     @staticmethod
@@ -101,11 +108,14 @@ class BlockFPLinear(torch.autograd.Function):
         # The backward runs outside the forward's autocast-off context; an enclosing autocast must not recast the
         # float32 emulated operands either.
         with torch.autocast(grad_out.device.type, enabled=False):
-            gq = fmt.operand(g2, 1) if ctx.needs_input_grad[0] or ctx.probe is not None else None
+            measure_gq = ctx.probe is not None and ctx.probe[1] == fmt
+            gq = fmt.operand(g2, 1) if ctx.needs_input_grad[0] or measure_gq else None
             if ctx.probe is not None:
-                report, cheap, forward_loss = ctx.probe
-                cheap_g = gq if cheap == fmt else cheap.operand(g2, 1)
-                report(torch.maximum(forward_loss, operand_loss(g2, cheap_g)))
+                unit, cheap, forward_loss = ctx.probe
+                rows = unit.sample_rows(g2.shape[0], g2.device)
+                g_rows = take_rows(g2, rows)
+                cheap_g = take_rows(gq, rows) if cheap == fmt else cheap.operand(g_rows, 1)
+                unit.report_fidelity(torch.maximum(forward_loss, operand_loss(g_rows, cheap_g)))
             if ctx.needs_input_grad[0]:
                 grad_x = gq @ fmt.operand(weight, 0, weight=True)
                 grad_x = grad_x.reshape(x.shape).to(x.dtype)
@@ -122,7 +132,7 @@ def block_fp_linear(
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with every GEMM input, forward and backward, rounded as `fmt` says. Under
     autocast the output has autocast's dtype (as `nn.Linear`'s would), but the emulated GEMMs stay float32.
-    `probe`: (report, cheap format), to report the fidelity of the cheap format on these operands."""
+    `probe`: (unit, cheap format), for the unit to report the fidelity of the cheap format on these operands."""
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     with torch.autocast(device, enabled=False):
@@ -203,7 +213,7 @@ class BlockFPUnit(SwitchedUnit):
         m = self.module
         if not m.training and not self.options.quantize_eval:
             return F.linear(x, m.weight, m.bias)
-        probe = (self.report_fidelity, self.low) if self.measuring else None
+        probe = (self, self.low) if self.measuring else None
         return block_fp_linear(x, m.weight, m.bias, fmt, probe)
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fidelity import operand_loss
+from ..fidelity import operand_loss, take_rows
 from ..signals import SignalOptions
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
 from ._checkpoint import CheckpointSource
@@ -151,7 +151,8 @@ class BnbInt8Unit(BnbUnit):
     )
 
     def input_fidelity(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_input_loss(x, float(getattr(self.module.state, "threshold", 0.0) or 0.0))
+        threshold = float(getattr(self.module.state, "threshold", 0.0) or 0.0)
+        return int8_input_loss(x, threshold, self.sample_rows(x.numel() // max(x.shape[-1], 1), x.device))
 
     @staticmethod
     def _unsupported(module: nn.Module) -> str | None:
@@ -208,12 +209,14 @@ class Bnb4bitUnit(BnbUnit):
         return bnb_functional.dequantize_4bit(self.module.weight.data, self.module.weight.quant_state)
 
 
-def int8_input_loss(x: torch.Tensor, threshold: float) -> torch.Tensor:
+def int8_input_loss(x: torch.Tensor, threshold: float, index: torch.Tensor | None = None) -> torch.Tensor:
     """`operand_loss` of LLM.int8()'s input rounding: per-row absmax to INT8 codes in [-127, 127], after the outlier
-    columns (an entry of magnitude >= `threshold`, when it is > 0) are taken out to the 16-bit matmul."""
-    rows = x.detach().reshape(-1, x.shape[-1]).float()
+    columns (an entry of magnitude >= `threshold` in any row, when it is > 0) are taken out to the 16-bit matmul;
+    on the rows `index` (all when None)."""
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    rows = take_rows(x2, index).float()
     if threshold > 0:
-        rows = torch.where((rows.abs() >= threshold).any(dim=0), 0.0, rows)
+        rows = torch.where((x2.abs() >= threshold).any(dim=0), 0.0, rows)
     scale = rows.abs().amax(dim=1, keepdim=True) / 127
     rounded = torch.round(rows / torch.where(scale > 0, scale, 1.0)) * scale
     return operand_loss(rows, rounded)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fidelity import operand_loss
+from ..fidelity import operand_loss, take_rows
 from ..signals import SignalOptions, signal_option
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
 
@@ -42,7 +42,7 @@ class Float8Unit(SwitchedUnit):
 
     def input_fidelity(self, x: torch.Tensor) -> torch.Tensor:
         rowwise = "AXISWISE" in str(getattr(self.module.config.cast_config_input, "scaling_granularity", ""))
-        return float8_input_loss(x, rowwise)
+        return float8_input_loss(x, rowwise, self.sample_rows(x.numel() // max(x.shape[-1], 1), x.device))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "emulate": bool(self.module.config.emulate)}
@@ -59,10 +59,12 @@ class Float8Unit(SwitchedUnit):
         return out.to(out_dtype)
 
 
-def float8_input_loss(x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
-    """`operand_loss` of a float8 e4m3 cast with absmax scaling (one scale per tensor, or per row)."""
-    rows = x.detach().reshape(-1, x.shape[-1]).float()
-    amax = rows.abs().amax(dim=1, keepdim=True) if rowwise else rows.abs().amax()
+def float8_input_loss(x: torch.Tensor, rowwise: bool = False, index: torch.Tensor | None = None) -> torch.Tensor:
+    """`operand_loss` of a float8 e4m3 cast with absmax scaling (one scale per tensor, from all of `x`, or per
+    row), on the rows `index` (all when None)."""
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    rows = take_rows(x2, index).float()
+    amax = rows.abs().amax(dim=1, keepdim=True) if rowwise else x2.abs().amax().float()
     top = torch.finfo(torch.float8_e4m3fn).max
     scale = torch.where(amax > 0, top / amax.clamp_min(1e-12), 1.0)
     rounded = (rows * scale).clamp(-top, top).to(torch.float8_e4m3fn).float() / scale
