@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -738,10 +739,13 @@ class QuantSavedRecompute(torch.autograd.Function):
         return None, None, None, *grads
 
 
-def _operands_severity(spec: SaveSpec, cache: SaveCache, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The worst `SaveSpec.loss` over the operands one unit saves (as attention's q, k, v: the worst one is the one
-    whose backward breaks first)."""
-    return torch.stack([spec.loss(x, cache) for x in tensors]).max()
+def _operands_severity(
+    unit: RecoverableUnit, spec: SaveSpec, cache: SaveCache, tensors: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """The worst `SaveSpec.loss` over the operands one unit saves, each on the rows `unit.sample_rows` picks (as
+    attention's q, k, v: the worst one is the one whose backward breaks first)."""
+    rows = [unit.sample_rows(x.numel() // max(x.shape[-1], 1), x.device) for x in tensors]
+    return torch.stack([spec.loss(x, cache, r) for x, r in zip(tensors, rows, strict=True)]).max()
 
 
 class ActQuantMLPUnit(_SavesActivations, SwitchedUnit):
@@ -787,7 +791,7 @@ class ActQuantMLPUnit(_SavesActivations, SwitchedUnit):
             return m.down_proj(self._product(gate, up))
         self.measure(gate, up)
         if self.measuring:
-            self.report_fidelity(_operands_severity(self.cheap_spec(), self._cache, (gate, up)))
+            self.report_fidelity(_operands_severity(self, self.cheap_spec(), self._cache, (gate, up)))
         product = QuantSavedRecompute.apply(self._product, self.current_spec(), self._cache, gate, up)
         return m.down_proj(product)
 
@@ -854,7 +858,7 @@ class ActQuantNormUnit(_SavesActivations, SwitchedUnit):
             return self._module_forward(x)
         self.measure(x)
         if self.measuring:
-            self.report_fidelity(self.cheap_spec().loss(x, self._cache))
+            self.report_fidelity(_operands_severity(self, self.cheap_spec(), self._cache, (x,)))
         return QuantSavedRMSNorm.apply(self._module_forward, x, weight, self.eps, self.current_spec(), self._cache)
 
 
@@ -1014,7 +1018,7 @@ class ActQuantHeadUnit(_SavesActivations, SwitchedUnit):
             return self._module_forward(h)
         self.measure(h)
         if self.measuring:
-            self.report_fidelity(self.cheap_spec().loss(h, self._cache))
+            self.report_fidelity(_operands_severity(self, self.cheap_spec(), self._cache, (h,)))
         logits = QuantSavedLinear.apply(h, m.weight, m.bias, self.current_spec(), self._cache)
         self._inputs[logits] = (h, self.current_spec())
         return logits
