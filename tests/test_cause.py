@@ -214,9 +214,7 @@ def test_save_spec_restores_sampled_rows_exactly_as_the_whole_copy_faults_includ
         spec = SaveSpec(bits, scaling, 8, **fault)
         whole = spec.restore(*spec.save(x)).reshape(-1, 16)
         assert torch.equal(spec.restore_rows(x, rows), whole[rows])
-        assert spec.loss(x, rows).item() == pytest.approx(
-            operand_loss(x.reshape(-1, 16)[rows], whole[rows]).item()
-        )
+        assert spec.loss(x, rows).item() == pytest.approx(operand_loss(x.reshape(-1, 16)[rows], whole[rows]).item())
 
 
 def _measured(model, units, rows: int, ids) -> list[float]:
