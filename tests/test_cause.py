@@ -163,6 +163,27 @@ def test_torchao_float8_fidelity_is_the_e4m3_rounding_of_the_input():
     assert float8_input_loss(x).item() == pytest.approx(bias / 0.1, rel=1e-4)
 
 
+def test_the_outside_backend_of_the_docs_measures_what_its_cast_loses_on_both_paths():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import bf16_cast_backend  # noqa: F401  (registers bf16_cast)
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    units = find_units(model, "bf16_cast", low_dtype="float16")
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0)) * 1e-5  # below float16's normal range
+    expected = operand_loss(x, x.half().float()).item()
+    assert expected > 0
+    units[0].start_measuring(0)
+    for recovering in (False, True):
+        if recovering:
+            units[0].enter_recovery()
+        model(x).sum().backward()
+        assert units[0].take_fidelity().item() == pytest.approx(expected)
+    units.close()
+
+
 def test_unit_signals_gather_the_fidelity_in_the_same_pass_as_the_norms():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     units = find_units(model, "act_quant", low_bits=2)
