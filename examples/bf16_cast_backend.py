@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gnmr_hf import Backend, DispatchContext, RecoverableUnit, SignalOptions, SwitchedUnit, register_backend
+from gnmr_hf.fidelity import OperandStats, operand_stats, take_rows
 
 LOW_DTYPES = ("bfloat16", "float16")
 
@@ -29,6 +30,13 @@ class CastOptions(SignalOptions):
 
 class CastUnit(SwitchedUnit):
     """The cheap path casts input, weight and bias to `low_dtype`; recovery is the plain `F.linear`."""
+
+    fidelity_bound = "input cast to low_dtype: max(relative L2 error / 2, row-sum bias / 0.1)"
+
+    def input_fidelity(self, x: torch.Tensor) -> OperandStats:
+        # policy="cause" only: what the cast loses on a sample of the input's rows, measured on both paths.
+        rows = take_rows(x, self.sample_rows(x.numel() // x.shape[-1], x.device))
+        return operand_stats(rows, rows.to(getattr(torch, self.options.low_dtype)))
 
     def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
         low = getattr(torch, self.options.low_dtype)

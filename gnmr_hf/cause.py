@@ -41,9 +41,10 @@ _LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 class UnitRelations:
     """How the units are related, as ids per unit (controller order).
 
-    `families`: units of one family share a gradient path: they are the units under one parent module, after a
-    unit nested in another unit (a projection inside an attention unit) is counted as that outer unit. A layer's
-    q/k/v/o projections and its attention unit are one family, its gate/up/down projections another.
+    `families`: units of one family share a gradient path: a unit that holds other units (an attention or MLP
+    unit) is a family with them, and the other units are a family with their siblings under one parent module. A
+    layer's q/k/v/o projections and its attention unit are one family, its gate/up/down projections (with its MLP
+    unit, when there is one) another, its norms a third.
     `peers`: units of one peer group are the same unit in other layers (name with the layer index removed, and the
     same kind), compared with each other when the group has at least 3 members.
     """
@@ -58,10 +59,13 @@ class UnitRelations:
         kinds = list(kinds) if kinds is not None else [""] * len(names)
         units = set(names)
         family_of, peer_of = [], []
+        holders = {n.rsplit(".", 1)[0] for n in names if "." in n} & units
         for name, kind in zip(names, kinds, strict=True):
             parts = name.split(".")
-            outer = next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in units), name)
-            family_of.append(outer.rsplit(".", 1)[0] if "." in outer else "")
+            outer = next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in units), None)
+            if outer is None:
+                outer = name if name in holders else (name.rsplit(".", 1)[0] if "." in name else "")
+            family_of.append(outer)
             peer_of.append(f"{_LAYER_INDEX.sub('*', name)}|{kind}")
         (families, family_names), (peers, peer_names) = _ids(family_of), _ids(peer_of)
         return cls(families, peers, family_names, peer_names)

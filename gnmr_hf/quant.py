@@ -22,6 +22,7 @@ __all__ = [
     "FloatFormat",
     "QuantizedTensor",
     "absmax_error_bound",
+    "absmax_rows",
     "pack_codes",
     "quantize_absmax",
     "quantize_blocks",
@@ -209,7 +210,6 @@ def quantize_absmax(
     group_size: int | None = None,
     stochastic: bool = False,
     generator: torch.Generator | None = None,
-    rows: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Symmetric absmax quantization of `x` to `bits` in 2..8, codes -qmax..qmax, packed (see the module docstring).
 
@@ -217,19 +217,17 @@ def quantize_absmax(
     (which it must divide) that get one scale each. A group of zeros gets scale 0 and dequantizes to exact
     zeros; a group holding a NaN or inf gets scale NaN and dequantizes to NaN. stochastic: round with
     floor(v + U[0, 1)) instead of to nearest (ties to even); `generator` makes the draws reproducible.
-    rows: quantize only these rows of `x` (as [-1, x.shape[-1]]), with the scales quantizing all of `x` gives
-    them (one scale per tensor: from all of `x`); the result has shape [len(rows), x.shape[-1]]. What a fidelity
-    measure reads (`gnmr_hf.fidelity.spread_rows`) at the cost of those rows.
     """
-    if rows is None:
-        groups, scales = _absmax_scales("quantize_absmax", x, bits, group_size)
-    else:
-        sub = x.reshape(-1, x.shape[-1]).index_select(0, rows)
-        groups, scales = _absmax_scales("quantize_absmax", sub, bits, group_size)
-        if group_size is None:
-            scales = _absmax_scales("quantize_absmax", x, bits, None)[1]
-        x = sub
+    groups, scales = _absmax_scales("quantize_absmax", x, bits, group_size)
     qmax = 2 ** (bits - 1) - 1
+    codes = _round_codes(groups, scales, qmax, stochastic, generator).add_(qmax).to(torch.uint8)
+    return QuantizedTensor(pack_codes(codes, bits), scales, x.shape, x.dtype, bits, group_size)
+
+
+def _round_codes(
+    groups: torch.Tensor, scales: torch.Tensor, qmax: int, stochastic: bool, generator: torch.Generator | None
+) -> torch.Tensor:
+    """float32 codes in -qmax..qmax of `groups` ([..., group]) at `scales` ([...]), as quantize_absmax rounds."""
     # Zero and NaN groups divide by 1: their codes are then defined (0 after nan_to_num) and the scale decides.
     v = groups / torch.where(scales > 0, scales, 1.0).unsqueeze(-1)
     if stochastic:
@@ -237,8 +235,31 @@ def quantize_absmax(
     else:
         v.round_()
     # clamp catches x / scale landing a rounding error above qmax; NaN codes would be undefined as uint8.
-    codes = v.clamp_(-qmax, qmax).nan_to_num_(0.0).add_(qmax).to(torch.uint8)
-    return QuantizedTensor(pack_codes(codes, bits), scales, x.shape, x.dtype, bits, group_size)
+    return v.clamp_(-qmax, qmax).nan_to_num_(0.0)
+
+
+def absmax_rows(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    bits: int,
+    *,
+    group_size: int | None = None,
+    stochastic: bool = False,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows `rows` of `x` (as [-1, x.shape[-1]]) quantized as `quantize_absmax(x, ...)` quantizes them, computed
+    only there: (codes as float32 [R, G, group], scales [R, G]; one scale per tensor: G = 1 and scales [1, 1]), so
+    `(codes * scales.unsqueeze(-1)).reshape(R, -1)` is those rows of `dequantize()` (for round to nearest exactly;
+    stochastic rounding draws anew). One scale per tensor is the whole tensor's: `scale` when the caller has it,
+    else the absmax of all of `x`. What a fidelity measure reads (`gnmr_hf.fidelity.spread_rows`)."""
+    sub = x.reshape(-1, x.shape[-1]).index_select(0, rows)
+    qmax = 2 ** (_check_bits("absmax_rows", bits) - 1) - 1
+    if group_size is None:
+        scales = _absmax_scales("absmax_rows", x, bits, None)[1] if scale is None else scale
+        groups, scales = sub.to(torch.float32).unsqueeze(1), scales.reshape(1, 1)
+    else:
+        groups, scales = _absmax_scales("absmax_rows", sub, bits, group_size)
+    return _round_codes(groups, scales, qmax, stochastic, None), scales
 
 
 def quantized_nbytes(shape: torch.Size | tuple[int, ...], bits: int, group_size: int | None = None) -> int:

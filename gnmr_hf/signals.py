@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .fidelity import unit_losses
 from .options import BackendOptions
 
 __all__ = [
@@ -290,15 +291,13 @@ class UnitSignals:
         return grid.view(self.num_units, self._width).sum(dim=1)
 
     def gather_fidelity(self) -> torch.Tensor | None:
-        """[N] float32 of what each unit's cheap path lost this step (`RecoverableUnit.take_fidelity`), NaN where a
-        unit measured nothing; None when no unit did (the paper's policy: nothing is measured). No host sync."""
-        taken = [(i, u.take_fidelity()) for i, u in enumerate(self.units) if hasattr(u, "take_fidelity")]
-        taken = [(i, v) for i, v in taken if v is not None]
-        if not taken:
+        """[N] float32 of what each unit's cheap path lost this step (`RecoverableUnit.take_measurements`, turned
+        into losses in one batched pass: `gnmr_hf.fidelity.unit_losses`), NaN where a unit measured nothing; None
+        when no unit did (the paper's policy: nothing is measured). No host sync."""
+        taken = [u.take_measurements() if hasattr(u, "take_measurements") else [] for u in self.units]
+        if not any(taken):
             return None
-        fidelity = torch.full((self.num_units,), torch.nan, dtype=torch.float32, device=self.device)
-        index = torch.tensor([i for i, _ in taken], dtype=torch.long).to(self.device, non_blocking=True)
-        fidelity[index] = torch.stack([v.to(self.device) for _, v in taken])
+        fidelity = unit_losses(taken, self.device)[0]
         if self.dp_group is not None:
             # Each rank measured its own micro-batches: average over the ranks that measured, so that every rank
             # decides the same.

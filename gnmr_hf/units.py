@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 from torch import nn
 
-from .fidelity import spread_rows
+from .fidelity import spread_rows, unit_losses
 from .options import BackendOptions
 from .signals import OutputGradMeter, Signal, resolve_signal
 
@@ -140,8 +140,7 @@ class RecoverableUnit:
     measure_fidelity = False
     # How many rows of each tensor a measurement reads (0: all; `gnmr_hf.fidelity.spread_rows`).
     fidelity_rows = 0
-    _fidelity_sum: torch.Tensor | None = None
-    _fidelity_count = 0
+    _fidelity_taken: list[list[Any]] | None = None
     _fidelity_draws = 0
     _fidelity_step = 0
     _fidelity_clock: Callable[[], int] | None = None
@@ -198,29 +197,42 @@ class RecoverableUnit:
         return {"signal": self.signal}
 
     # ------------------------------------------------------------------ fidelity
-    def report_fidelity(self, severity: torch.Tensor) -> None:
-        """Add one measurement (a 0-d tensor on the device, kept there: no sync) of what the cheap path loses, in
-        units of the bound (`fidelity_bound` says what is measured). In recovery a backend reports what its cheap
-        path *would* lose on the same data, so that the policy can tell when releasing the unit is safe."""
-        value = severity.detach().float().reshape(())
-        self._fidelity_sum = value if self._fidelity_sum is None else self._fidelity_sum + value
-        self._fidelity_count += 1
+    def report_fidelity(self, *parts: Any) -> None:
+        """Add one measurement of what the cheap path loses: the worst of `parts`, each an operand's sums
+        (`gnmr_hf.fidelity.operand_stats`) or a 0-d loss in units of the bound (`fidelity_bound` says what is
+        measured), kept on the device (no sync); the losses are computed for every unit at once when taken. In
+        recovery a backend reports what its cheap path *would* lose on the same data, so that the policy can tell
+        when releasing the unit is safe."""
+        if not parts:
+            raise ValueError(f"{self.backend} unit {self.name!r}: report_fidelity needs at least one part")
+        if self._fidelity_taken is None:
+            self._fidelity_taken = []
+        self._fidelity_taken.append(list(parts))
+
+    def take_measurements(self) -> list[list[Any]]:
+        """The measurements reported since the last call (lists of parts); resets."""
+        taken, self._fidelity_taken = self._fidelity_taken or [], None
+        return taken
 
     def take_fidelity(self) -> torch.Tensor | None:
-        """The mean of the measurements since the last call (0-d tensor), or None when there was none; resets."""
-        total, count = self._fidelity_sum, self._fidelity_count
-        self._fidelity_sum, self._fidelity_count = None, 0
-        return None if total is None else total / count
+        """The mean of the measurements since the last call (0-d tensor), or None when there was none; resets.
+        (`UnitSignals.gather_fidelity` takes every unit's at once.)"""
+        taken = self.take_measurements()
+        if not taken:
+            return None
+        device = next((p for p in taken[0] if isinstance(p, torch.Tensor)), taken[0][0][0]).device
+        return unit_losses([taken], device)[0][0]
 
     @property
     def measuring(self) -> bool:
         """Whether a forward or backward running now should measure fidelity (training passes only)."""
         return self.measure_fidelity and torch.is_grad_enabled()
 
-    def input_fidelity(self, x: torch.Tensor) -> torch.Tensor | None:
-        """What the cheap path loses on the input `x` of a forward, for a backend whose cheap path quantizes the
-        input in a kernel we cannot open (bitsandbytes, torchao): measured by emulating that rounding, on both paths,
-        from a forward pre-hook. None (the default): the backend reports from its own code, or nothing."""
+    def input_fidelity(self, x: torch.Tensor) -> Any:
+        """What the cheap path loses on the input `x` of a forward (a part for `report_fidelity`: operand stats or a
+        0-d loss), for a backend whose cheap path quantizes the input in a kernel we cannot open (bitsandbytes,
+        torchao): measured by emulating that rounding, on both paths, from a forward pre-hook. None (the default):
+        the backend reports from its own code, or nothing."""
         return None
 
     def sample_rows(self, n: int, device: torch.device | str, count: int | None = None) -> torch.Tensor | None:

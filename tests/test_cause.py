@@ -21,7 +21,7 @@ from gnmr_hf.cause import UnitRelations
 from gnmr_hf.cli import main as cli_main
 from gnmr_hf.experiments.pretrain import build_model, llama_config
 from gnmr_hf.fidelity import operand_loss, relative_error, row_sum_loss, spread_rows, sum_bias
-from gnmr_hf.quant import quantize_absmax
+from gnmr_hf.quant import absmax_rows, quantize_absmax
 from gnmr_hf.signals import UnitSignals
 
 from trainer_utils import make_trainer, steps_of
@@ -88,7 +88,9 @@ def test_an_act_quant_linear_unit_reports_its_cheap_path_loss_on_both_paths():
     (unit,) = find_units(model, "act_quant", low_bits=2, high_bits=8)
     unit.start_measuring()
     x = torch.randn(8, 16)
-    expected = SaveSpec(2).loss(x).item()
+    # The relative error only: the saved copy feeds only the weight gradient, which sums over tokens, not rows.
+    expected = relative_error(x, SaveSpec(2).restore(*SaveSpec(2).save(x))).item() / 2
+    assert expected < SaveSpec(2).loss(x).item()  # the row-sum bias would count here
     model(x).sum().backward()
     assert unit.take_fidelity().item() == pytest.approx(expected)
     unit.enter_recovery()  # recovery saves 8 bits, but what is measured is what the 2-bit cheap path would lose
@@ -161,6 +163,27 @@ def test_torchao_float8_fidelity_is_the_e4m3_rounding_of_the_input():
     assert float8_input_loss(x).item() == pytest.approx(bias / 0.1, rel=1e-4)
 
 
+def test_the_outside_backend_of_the_docs_measures_what_its_cast_loses_on_both_paths():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import bf16_cast_backend  # noqa: F401  (registers bf16_cast)
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    units = find_units(model, "bf16_cast", low_dtype="float16")
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0)) * 1e-5  # below float16's normal range
+    expected = operand_loss(x, x.half().float()).item()
+    assert expected > 0
+    units[0].start_measuring(0)
+    for recovering in (False, True):
+        if recovering:
+            units[0].enter_recovery()
+        model(x).sum().backward()
+        assert units[0].take_fidelity().item() == pytest.approx(expected)
+    units.close()
+
+
 def test_unit_signals_gather_the_fidelity_in_the_same_pass_as_the_norms():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     units = find_units(model, "act_quant", low_bits=2)
@@ -194,8 +217,13 @@ def test_quantizing_sampled_rows_gives_the_rows_of_the_whole_tensors_quantizatio
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 10, 40)[:, None]
     rows = torch.tensor([3, 17, 39, 0])
     whole = quantize_absmax(x, 4, group_size=group_size).dequantize()
-    part = quantize_absmax(x, 4, group_size=group_size, rows=rows).dequantize()
+    codes, scales = absmax_rows(x, rows, 4, group_size=group_size)
+    part = (codes * scales.unsqueeze(-1)).reshape(len(rows), -1)
     assert torch.equal(part, whole[rows])  # one scale per tensor: taken from all of x, not from the rows
+    whole_scale = quantize_absmax(x, 4).scales
+    if group_size is None:  # the caller's copy of the one scale is used as given
+        codes, scales = absmax_rows(x, rows, 4, scale=whole_scale * 2)
+        assert torch.equal(scales, (whole_scale * 2).reshape(1, 1))
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row", "group"])
@@ -207,9 +235,7 @@ def test_save_spec_restores_sampled_rows_exactly_as_the_whole_copy_faults_includ
         spec = SaveSpec(bits, scaling, 8, **fault)
         whole = spec.restore(*spec.save(x)).reshape(-1, 16)
         assert torch.equal(spec.restore_rows(x, rows), whole[rows])
-        assert spec.loss(x, rows=rows).item() == pytest.approx(
-            operand_loss(x.reshape(-1, 16)[rows], whole[rows]).item()
-        )
+        assert spec.loss(x, rows).item() == pytest.approx(operand_loss(x.reshape(-1, 16)[rows], whole[rows]).item())
 
 
 def _measured(model, units, rows: int, ids) -> list[float]:
@@ -274,10 +300,20 @@ def test_units_are_related_by_family_and_compared_with_their_peers_in_other_laye
     names = [*NAMES, *(n.replace("layers.0", "layers.1") for n in NAMES), "lm_head"]
     relations = UnitRelations.from_names(names, [*KINDS, *KINDS, "linear"])
     family = dict(zip(names, (relations.family_names[f] for f in relations.families), strict=True))
-    # An attention unit and its projections share the layer's family; the MLP is a family of its own.
-    assert family["model.layers.0.self_attn"] == family["model.layers.0.self_attn.q_proj"] == "model.layers.0"
-    assert family["model.layers.0.mlp.down_proj"] == "model.layers.0.mlp"
+    # An attention unit and its projections are one family; the MLP's projections another.
+    assert (
+        family["model.layers.0.self_attn"] == family["model.layers.0.self_attn.q_proj"] == "model.layers.0.self_attn"
+    )
+    assert family["model.layers.0.mlp.down_proj"] == family["model.layers.0.mlp.gate_proj"] == "model.layers.0.mlp"
     assert family["lm_head"] == ""
+    # With act_quant's kinds=all the MLP is a unit too, and the norms: the layer is not one family.
+    every = [*NAMES, "model.layers.0.mlp", "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm"]
+    together = UnitRelations.from_names(every, [*KINDS, "mlp", "norm", "norm"])
+    family = dict(zip(every, (together.family_names[f] for f in together.families), strict=True))
+    assert family["model.layers.0.mlp"] == family["model.layers.0.mlp.up_proj"] == "model.layers.0.mlp"
+    assert family["model.layers.0.self_attn.k_proj"] == "model.layers.0.self_attn"
+    assert family["model.layers.0.input_layernorm"] == family["model.layers.0.post_attention_layernorm"]
+    assert family["model.layers.0.input_layernorm"] == "model.layers.0"
     peers = dict(zip(names, (relations.peer_names[p] for p in relations.peers), strict=True))
     assert peers["model.layers.1.mlp.down_proj"] == peers["model.layers.0.mlp.down_proj"] != peers["lm_head"]
 

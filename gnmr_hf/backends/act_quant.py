@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..fidelity import operand_loss, row_sum_loss, take_rows
-from ..quant import QuantizedTensor, quantize_absmax, quantized_nbytes
+from ..fidelity import OperandStats, operand_loss, operand_stats, row_sum_loss, take_rows
+from ..quant import QuantizedTensor, absmax_rows, quantize_absmax, quantized_nbytes
 from ..signals import Signal, SignalOptions, adapter_tensors, signal_option
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit, unit_of
 
@@ -158,7 +158,7 @@ class SaveSpec:
             if self.fault_scale == 1.0:
                 return (x,), None
             return (self._corrupt(x.reshape(-1, x.shape[-1])).reshape(x.shape),), None
-        key = (self.bits, self.group_for(x.shape), self.stochastic, x._version)
+        key = self._key(x)
         entry = None if cache is None else cache.get(x, key)
         if entry is None:
             q = quantize_absmax(x.detach(), self.bits, group_size=self.group_for(x.shape), stochastic=self.stochastic)
@@ -168,35 +168,50 @@ class SaveSpec:
         (packed, scales), meta = entry
         return (packed, self._corrupt(scales.reshape(-1)).reshape(scales.shape)), meta
 
-    def loss(self, x: torch.Tensor, cache: SaveCache | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def _key(self, x: torch.Tensor) -> tuple[Any, ...]:
+        return (self.bits, self.group_for(x.shape), self.stochastic, x._version)
+
+    def loss(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """What saving `x` this way loses (`gnmr_hf.fidelity.operand_loss` of the restored copy), on the rows `rows`
-        of `x` (all when None), kept in `cache` so that the units reading one tensor measure it once."""
-        key = ("loss", self, x._version)
+        of `x` (all when None)."""
+        return operand_loss(take_rows(x, rows), self.restore_rows(x, rows))
+
+    def stats(
+        self, x: torch.Tensor, cache: SaveCache | None = None, rows: torch.Tensor | None = None, bias: bool = True
+    ) -> OperandStats:
+        """The `operand_stats` of `loss` (`bias`: with the row-sum bias), kept in `cache` so that the units reading
+        one tensor measure it once, and using the scale of the copy the cache holds (the one saved) where there is
+        one."""
+        key = ("stats", self, bias, x._version)
         cached = None if cache is None else cache.get(x, key)
         if cached is None:
-            cached = operand_loss(take_rows(x, rows), self.restore_rows(x, rows, cache))
+            cached = operand_stats(take_rows(x, rows), self.restore_rows(x, rows, cache), bias)
             if cache is not None:
                 cache.put(x, key, cached)
         return cached
 
     def restore_rows(self, x: torch.Tensor, rows: torch.Tensor | None, cache: SaveCache | None = None) -> torch.Tensor:
         """Rows `rows` (all when None) of what saving `x` this way gives back, as [-1, x.shape[-1]], computing only
-        those rows: with deterministic rounding the same values `restore(*save(x))` has there, faults included."""
+        those rows: with deterministic rounding the same values `restore(*save(x))` has there, faults included.
+        One scale per tensor is the copy's in `cache` when it holds one, else computed from all of `x`."""
         if rows is None:
             return take_rows(self.restore(*self.save(x, cache)), None)
         if self.bits == UNQUANTIZED:
             return self._corrupt_at(take_rows(x.detach(), rows), rows)
-        q = quantize_absmax(
-            x.detach(), self.bits, group_size=self.group_for(x.shape), stochastic=self.stochastic, rows=rows
-        )
-        if self.fault_scale != 1.0 and q.scales.dim():
-            # Scale j of sampled row i is scale rows[i] * per_row + j of the whole tensor's.
-            per_row = q.scales.shape[-1]
-            index = (rows.unsqueeze(-1) * per_row + torch.arange(per_row, device=rows.device)).reshape(-1)
-            q = dataclasses.replace(q, scales=self._corrupt_at(q.scales.reshape(-1), index).reshape(q.scales.shape))
+        group = self.group_for(x.shape)
+        entry = None if cache is None or group is not None else cache.get(x, self._key(x))
+        codes, scales = absmax_rows(
+            x.detach(), rows, self.bits, group_size=group, stochastic=self.stochastic,
+            scale=None if entry is None else entry[0][1],
+        )  # fmt: skip
+        if self.fault_scale != 1.0 and group is None:
+            scales = scales * self.fault_scale  # the one scale: index 0, always hit
         elif self.fault_scale != 1.0:
-            q = dataclasses.replace(q, scales=q.scales * self.fault_scale)  # the one scale: index 0, always hit
-        return q.dequantize()
+            # Scale j of sampled row i is scale rows[i] * per_row + j of the whole tensor's.
+            per_row = scales.shape[-1]
+            index = (rows.unsqueeze(-1) * per_row + torch.arange(per_row, device=rows.device)).reshape(-1)
+            scales = self._corrupt_at(scales.reshape(-1), index).reshape(scales.shape)
+        return (codes * scales.unsqueeze(-1)).reshape(len(rows), -1).to(x.dtype)
 
     def _corrupt(self, rows: torch.Tensor) -> torch.Tensor:
         """`rows` with every `fault_stride`-th one multiplied by `fault_scale` (a copy), or `rows` itself."""
@@ -339,7 +354,7 @@ class ActQuantLinearUnit(_SavesActivations, SwitchedUnit):
     """One `nn.Linear` whose saved input is kept at `low_bits` on the cheap path and `high_bits` in recovery."""
 
     kind = "linear"
-    fidelity_bound = "saved input at low_bits: max(relative L2 error / 2, row-sum bias / 0.1)"
+    fidelity_bound = "saved input at low_bits: relative L2 error / 2"
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         self._cache = ctx.once(_save_cache)
@@ -353,12 +368,17 @@ class ActQuantLinearUnit(_SavesActivations, SwitchedUnit):
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
-        if torch.is_grad_enabled() and m.weight.requires_grad:
+        training = torch.is_grad_enabled() and m.weight.requires_grad
+        if training:
             self.measure(x)
-            if self.measuring:
-                rows = self.sample_rows(x.numel() // max(x.shape[-1], 1), x.device)
-                self.report_fidelity(self.cheap_spec().loss(x, self._cache, rows))
-        return QuantSavedLinear.apply(x, m.weight, m.bias, self.current_spec(), self._cache)
+        out = QuantSavedLinear.apply(x, m.weight, m.bias, self.current_spec(), self._cache)
+        if training and self.measuring:
+            # After the save: on the cheap path the cache holds the copy saved, whose scale the measure reuses.
+            rows = self.sample_rows(x.numel() // max(x.shape[-1], 1), x.device)
+            # The relative error only: the copy feeds only the weight-gradient GEMM, which sums over tokens, not
+            # along the rows the bias is taken over (docs/method.md, "Fidelity").
+            self.report_fidelity(self.cheap_spec().stats(x, self._cache, rows, bias=False))
+        return out
 
 
 # --------------------------------------------------------------------------------------------- attention
@@ -453,19 +473,18 @@ class QuantSavedAttention(torch.autograd.Function):
             lse = torch.where(empty, 0.0, lse)
         out = torch.matmul(p.to(v.dtype), _repeat_kv(v, groups))
         saved, metas = [], []
+        cache = SaveCache() if probe is not None else None  # the measure reuses the saved copies' scales
         for x in (q, k, v):
-            tensors, meta = spec.save(x)
+            tensors, meta = spec.save(x, cache)
             saved.append(tensors)
             metas.append(meta)
         ctx.metas, ctx.counts = metas, [len(t) for t in saved]
         # probe: the unit measuring on the cheap path; the backward adds the recomputed rows' sums.
         ctx.probe = None
         if probe is not None:
-            operands = torch.stack(
-                [spec.loss(x, rows=probe.sample_rows(x.numel() // x.shape[-1], x.device)) for x in (q, k, v)]
-            )
+            operands = [spec.stats(x, cache, probe.sample_rows(x.numel() // x.shape[-1], x.device)) for x in (q, k, v)]
             rows = probe.sample_rows(p.numel() // max(p.shape[-1], 1), p.device)
-            ctx.probe = (probe.report_fidelity, operands.max(), rows)
+            ctx.probe = (probe, operands, rows)
         ctx.is_causal, ctx.scaling, ctx.renormalize, ctx.groups = is_causal, scaling, renormalize, groups
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.has_mask = mask is not None
@@ -486,8 +505,8 @@ class QuantSavedAttention(torch.autograd.Function):
         k_rep, v_rep = _repeat_kv(k, groups), _repeat_kv(v, groups)
         p = _recomputed_probabilities(q, k_rep, lse, mask, ctx.is_causal, scaling)
         if ctx.probe is not None:
-            report, operands, rows = ctx.probe
-            report(torch.maximum(operands, row_sum_loss(p, rows)))
+            unit, operands, rows = ctx.probe
+            unit.report_fidelity(*operands, row_sum_loss(p, rows))
         if ctx.renormalize:
             total = p.sum(-1, keepdim=True)
             p = p / torch.where(total > 0, total, 1.0)
@@ -539,7 +558,7 @@ def act_quant_attention(
             unit.measure(query, key, value)
             if unit.measuring:
                 if unit.in_recovery:
-                    unit.report_fidelity(unit.shadow_loss(query, key, value, attention_mask, is_causal, scaling))
+                    unit.report_fidelity(*unit.shadow_parts(query, key, value, attention_mask, is_causal, scaling))
                 else:
                     probe = unit
     out = QuantSavedAttention.apply(query, key, value, attention_mask, is_causal, scaling, spec, renormalize, probe)
@@ -620,7 +639,7 @@ class ActQuantAttentionUnit(_SavesActivations):
         return Signal("qkv_weight", trainable)
 
     @torch.no_grad()
-    def shadow_loss(
+    def shadow_parts(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -628,7 +647,7 @@ class ActQuantAttentionUnit(_SavesActivations):
         mask: torch.Tensor | None,
         is_causal: bool,
         scaling: float,
-    ) -> torch.Tensor:
+    ) -> list[Any]:
         """What the cheap path would lose on this forward's q, k, v (measured in recovery, where the backward runs
         on the high_bits copies): the operands' loss and the row sums of the probabilities recomputed from the
         low_bits q and k, exactly as the cheap path's backward would, at the query positions sampled
@@ -643,20 +662,18 @@ class ActQuantAttentionUnit(_SavesActivations):
         q_low = spec.restore_rows(q, q_rows).reshape(b, h, -1, d)
         k_low = spec.restore_rows(k, None).reshape(k.shape)
         k_rows = self.sample_rows(k.numel() // d, k.device)
-        operands = torch.stack(
-            [
-                operand_loss(take_rows(q, q_rows), q_low.reshape(-1, d)),
-                operand_loss(take_rows(k, k_rows), take_rows(k_low, k_rows)),
-                spec.loss(v, rows=self.sample_rows(v.numel() // d, v.device)),
-            ]
-        )
+        operands = [
+            operand_stats(take_rows(q, q_rows), q_low.reshape(-1, d)),
+            operand_stats(take_rows(k, k_rows), take_rows(k_low, k_rows)),
+            spec.stats(v, rows=self.sample_rows(v.numel() // d, v.device)),
+        ]
         groups = h // k.shape[1]
         q_exact = q if positions is None else q.index_select(2, positions)
         exact = _scores(q_exact, _repeat_kv(k, groups), mask, is_causal, scaling, positions, t)
         lse = torch.logsumexp(exact, dim=-1)
         lse = torch.where(torch.isneginf(lse), 0.0, lse)
         p = _recomputed_probabilities(q_low, _repeat_kv(k_low, groups), lse, mask, is_causal, scaling, positions, t)
-        return torch.maximum(operands.max(), row_sum_loss(p))
+        return [*operands, row_sum_loss(p)]
 
     def _close(self) -> None:
         self._switch.release()
@@ -739,13 +756,13 @@ class QuantSavedRecompute(torch.autograd.Function):
         return None, None, None, *grads
 
 
-def _operands_severity(
-    unit: RecoverableUnit, spec: SaveSpec, cache: SaveCache, tensors: Sequence[torch.Tensor]
-) -> torch.Tensor:
-    """The worst `SaveSpec.loss` over the operands one unit saves, each on the rows `unit.sample_rows` picks (as
-    attention's q, k, v: the worst one is the one whose backward breaks first)."""
-    rows = [unit.sample_rows(x.numel() // max(x.shape[-1], 1), x.device) for x in tensors]
-    return torch.stack([spec.loss(x, cache, r) for x, r in zip(tensors, rows, strict=True)]).max()
+def _operand_parts(
+    unit: RecoverableUnit, spec: SaveSpec, cache: SaveCache, tensors: Sequence[torch.Tensor], bias: bool = True
+) -> list[OperandStats]:
+    """`SaveSpec.stats` of each operand one unit saves, on the rows `unit.sample_rows` picks, for one report (its
+    loss is the worst one's, as attention's q, k, v: the worst one is the one whose backward breaks first). `bias`:
+    with the row-sum bias (False for a copy that feeds only a weight gradient, docs/method.md)."""
+    return [spec.stats(x, cache, unit.sample_rows(x.numel() // max(x.shape[-1], 1), x.device), bias) for x in tensors]
 
 
 class ActQuantMLPUnit(_SavesActivations, SwitchedUnit):
@@ -790,9 +807,9 @@ class ActQuantMLPUnit(_SavesActivations, SwitchedUnit):
         if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
             return m.down_proj(self._product(gate, up))
         self.measure(gate, up)
-        if self.measuring:
-            self.report_fidelity(_operands_severity(self, self.cheap_spec(), self._cache, (gate, up)))
         product = QuantSavedRecompute.apply(self._product, self.current_spec(), self._cache, gate, up)
+        if self.measuring:  # after the save: the measure reuses the saved copies' scales
+            self.report_fidelity(*_operand_parts(self, self.cheap_spec(), self._cache, (gate, up)))
         return m.down_proj(product)
 
 
@@ -857,9 +874,10 @@ class ActQuantNormUnit(_SavesActivations, SwitchedUnit):
         if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return self._module_forward(x)
         self.measure(x)
-        if self.measuring:
-            self.report_fidelity(_operands_severity(self, self.cheap_spec(), self._cache, (x,)))
-        return QuantSavedRMSNorm.apply(self._module_forward, x, weight, self.eps, self.current_spec(), self._cache)
+        out = QuantSavedRMSNorm.apply(self._module_forward, x, weight, self.eps, self.current_spec(), self._cache)
+        if self.measuring:  # after the save: the measure reuses the saved copy's scale
+            self.report_fidelity(*_operand_parts(self, self.cheap_spec(), self._cache, (x,)))
+        return out
 
 
 def _check_rms_norm(name: str, module: nn.Module) -> float:
@@ -987,7 +1005,7 @@ class ActQuantHeadUnit(_SavesActivations, SwitchedUnit):
     Signal: its weight's gradient (`signal=`)."""
 
     kind = "head"
-    fidelity_bound = "saved input at low_bits: max(relative L2 error / 2, row-sum bias / 0.1)"
+    fidelity_bound = "saved input at low_bits: relative L2 error / 2"
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         from transformers.loss.loss_utils import LOSS_MAPPING
@@ -1017,9 +1035,10 @@ class ActQuantHeadUnit(_SavesActivations, SwitchedUnit):
         if not (torch.is_grad_enabled() and m.weight.requires_grad):
             return self._module_forward(h)
         self.measure(h)
-        if self.measuring:
-            self.report_fidelity(_operands_severity(self, self.cheap_spec(), self._cache, (h,)))
         logits = QuantSavedLinear.apply(h, m.weight, m.bias, self.current_spec(), self._cache)
+        if self.measuring:
+            # As a linear unit's: the copy feeds only the head's weight gradient, so the relative error alone.
+            self.report_fidelity(*_operand_parts(self, self.cheap_spec(), self._cache, (h,), bias=False))
         self._inputs[logits] = (h, self.current_spec())
         return logits
 

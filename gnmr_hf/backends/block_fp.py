@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fidelity import operand_loss, take_rows
+from ..fidelity import operand_stats, take_rows
 from ..quant import FORMATS, quantize_blocks
 from ..signals import SignalOptions
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
@@ -84,19 +84,18 @@ class BlockFPLinear(torch.autograd.Function):
         # probe: (the measuring unit, its cheap format). The fprop operands' loss now, the dgrad operand's (the
         # output gradient) in the backward, one report of the worst, each on the unit's sample of rows; on the
         # recovery path the cheap format rounds those rows a second time, only to measure (activation tiles are
-        # row-local, so the sampled rows round as in the whole; a weight's 128x128 blocks are rounded whole).
+        # row-local, so the sampled rows round as in the whole). The output gradient has a row per token too: the
+        # same rows are read. The weight (not a per-token tensor, and its 128x128 blocks are not row-local) is read
+        # whole.
         ctx.probe = None
         if probe is not None:
             unit, cheap = probe
-            rows, w_rows = unit.sample_rows(x2.shape[0], x.device), unit.sample_rows(weight.shape[0], x.device)
+            rows = unit.sample_rows(x2.shape[0], x.device)
             x_rows = take_rows(x2, rows)
             xq_rows = take_rows(xq, rows) if cheap == fmt else cheap.operand(x_rows, 1)
             if cheap != fmt:
                 wq = cheap.operand(weight, 1, weight=True)
-            loss = torch.maximum(
-                operand_loss(x_rows, xq_rows), operand_loss(take_rows(weight, w_rows), take_rows(wq, w_rows))
-            )
-            ctx.probe = (unit, cheap, loss)
+            ctx.probe = (unit, cheap, rows, [operand_stats(x_rows, xq_rows), operand_stats(weight, wq)])
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
 
     @staticmethod
@@ -111,11 +110,10 @@ class BlockFPLinear(torch.autograd.Function):
             measure_gq = ctx.probe is not None and ctx.probe[1] == fmt
             gq = fmt.operand(g2, 1) if ctx.needs_input_grad[0] or measure_gq else None
             if ctx.probe is not None:
-                unit, cheap, forward_loss = ctx.probe
-                rows = unit.sample_rows(g2.shape[0], g2.device)
+                unit, cheap, rows, forward_parts = ctx.probe
                 g_rows = take_rows(g2, rows)
                 cheap_g = take_rows(gq, rows) if cheap == fmt else cheap.operand(g_rows, 1)
-                unit.report_fidelity(torch.maximum(forward_loss, operand_loss(g_rows, cheap_g)))
+                unit.report_fidelity(*forward_parts, operand_stats(g_rows, cheap_g))
             if ctx.needs_input_grad[0]:
                 grad_x = gq @ fmt.operand(weight, 0, weight=True)
                 grad_x = grad_x.reshape(x.shape).to(x.dtype)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fidelity import operand_loss, take_rows
+from ..fidelity import OperandStats, loss_of, operand_stats, take_rows
 from ..signals import SignalOptions
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
 from ._checkpoint import CheckpointSource
@@ -150,9 +150,9 @@ class BnbInt8Unit(BnbUnit):
         "in 16 bits and are left out): max(relative L2 error / 2, row-sum bias / 0.1)"
     )
 
-    def input_fidelity(self, x: torch.Tensor) -> torch.Tensor:
+    def input_fidelity(self, x: torch.Tensor) -> OperandStats:
         threshold = float(getattr(self.module.state, "threshold", 0.0) or 0.0)
-        return int8_input_loss(x, threshold, self.sample_rows(x.numel() // max(x.shape[-1], 1), x.device))
+        return int8_input_stats(x, threshold, self.sample_rows(x.numel() // max(x.shape[-1], 1), x.device))
 
     @staticmethod
     def _unsupported(module: nn.Module) -> str | None:
@@ -213,13 +213,18 @@ def int8_input_loss(x: torch.Tensor, threshold: float, index: torch.Tensor | Non
     """`operand_loss` of LLM.int8()'s input rounding: per-row absmax to INT8 codes in [-127, 127], after the outlier
     columns (an entry of magnitude >= `threshold` in any row, when it is > 0) are taken out to the 16-bit matmul;
     on the rows `index` (all when None)."""
+    return loss_of(int8_input_stats(x, threshold, index))
+
+
+def int8_input_stats(x: torch.Tensor, threshold: float, index: torch.Tensor | None = None) -> OperandStats:
+    """The `operand_stats` behind `int8_input_loss`."""
     x2 = x.detach().reshape(-1, x.shape[-1])
     rows = take_rows(x2, index).float()
     if threshold > 0:
         rows = torch.where((x2.abs() >= threshold).any(dim=0), 0.0, rows)
     scale = rows.abs().amax(dim=1, keepdim=True) / 127
     rounded = torch.round(rows / torch.where(scale > 0, scale, 1.0)) * scale
-    return operand_loss(rows, rounded)
+    return operand_stats(rows, rounded)
 
 
 # ------------------------------------------------------------------------------------------------- row checks

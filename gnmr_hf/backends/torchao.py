@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fidelity import operand_loss, take_rows
+from ..fidelity import OperandStats, loss_of, operand_stats, take_rows
 from ..signals import SignalOptions, signal_option
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
 
@@ -40,9 +40,9 @@ class Float8Unit(SwitchedUnit):
     def precision(self) -> str:
         return "float8/high"
 
-    def input_fidelity(self, x: torch.Tensor) -> torch.Tensor:
+    def input_fidelity(self, x: torch.Tensor) -> OperandStats:
         rowwise = "AXISWISE" in str(getattr(self.module.config.cast_config_input, "scaling_granularity", ""))
-        return float8_input_loss(x, rowwise, self.sample_rows(x.numel() // max(x.shape[-1], 1), x.device))
+        return float8_input_stats(x, rowwise, self.sample_rows(x.numel() // max(x.shape[-1], 1), x.device))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "emulate": bool(self.module.config.emulate)}
@@ -62,13 +62,18 @@ class Float8Unit(SwitchedUnit):
 def float8_input_loss(x: torch.Tensor, rowwise: bool = False, index: torch.Tensor | None = None) -> torch.Tensor:
     """`operand_loss` of a float8 e4m3 cast with absmax scaling (one scale per tensor, from all of `x`, or per
     row), on the rows `index` (all when None)."""
+    return loss_of(float8_input_stats(x, rowwise, index))
+
+
+def float8_input_stats(x: torch.Tensor, rowwise: bool = False, index: torch.Tensor | None = None) -> OperandStats:
+    """The `operand_stats` behind `float8_input_loss`."""
     x2 = x.detach().reshape(-1, x.shape[-1])
     rows = take_rows(x2, index).float()
     amax = rows.abs().amax(dim=1, keepdim=True) if rowwise else x2.abs().amax().float()
     top = torch.finfo(torch.float8_e4m3fn).max
     scale = torch.where(amax > 0, top / amax.clamp_min(1e-12), 1.0)
     rounded = (rows * scale).clamp(-top, top).to(torch.float8_e4m3fn).float() / scale
-    return operand_loss(rows, rounded)
+    return operand_stats(rows, rounded)
 
 
 def _float8_unit(module: nn.Module, ctx: DispatchContext) -> type[RecoverableUnit] | None:
