@@ -1005,7 +1005,7 @@ class ActQuantHeadUnit(_SavesActivations, SwitchedUnit):
     Signal: its weight's gradient (`signal=`)."""
 
     kind = "head"
-    fidelity_bound = "saved input at low_bits: relative L2 error / 2"
+    fidelity_bound = "saved input at low_bits: max(relative L2 error / 2, row-sum bias / 0.1)"
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         from transformers.loss.loss_utils import LOSS_MAPPING
@@ -1037,8 +1037,9 @@ class ActQuantHeadUnit(_SavesActivations, SwitchedUnit):
         self.measure(h)
         logits = QuantSavedLinear.apply(h, m.weight, m.bias, self.current_spec(), self._cache)
         if self.measuring:
-            # As a linear unit's: the copy feeds only the head's weight gradient, so the relative error alone.
-            self.report_fidelity(*_operand_parts(self, self.cheap_spec(), self._cache, (h,), bias=False))
+            # Unlike a linear unit's, the copy also feeds the logits the backward recomputes (a GEMM summing along
+            # its rows), so the row-sum bias counts.
+            self.report_fidelity(*_operand_parts(self, self.cheap_spec(), self._cache, (h,)))
         self._inputs[logits] = (h, self.current_spec())
         return logits
 
