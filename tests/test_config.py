@@ -58,6 +58,8 @@ INVALID = [
     ({"cause_suspect": 0.0}, ValueError, "cause_suspect"),
     ({"cause_suspect": 1.5}, ValueError, "cause_suspect"),
     ({"cause_peer_factor": 1.0}, ValueError, "cause_peer_factor"),
+    ({"cause_fidelity_rows": -1}, ValueError, "cause_fidelity_rows"),
+    ({"cause_fidelity_rows": 2.5}, TypeError, "cause_fidelity_rows"),
     ({"policy": "cause", "lock_steps": 8, "relapse_lock_cap": 4}, ValueError, "relapse_lock_cap"),
 ]
 
