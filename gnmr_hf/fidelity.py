@@ -17,6 +17,7 @@ the ops a step adds do not grow with the number of operands measured (docs/metho
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -159,14 +160,19 @@ def spread_rows(n: int, max_rows: int, draw: int, device: torch.device | str) ->
     An arithmetic progression modulo `n` whose stride is the first integer >= n / max_rows coprime with `n` (so the
     rows are distinct and a period of the data, such as every sequence's first token, is not hit every time) and
     whose start moves with `draw` (the caller's count of measurements), so that over successive steps every row is
-    read. Built on `device` from Python ints: no host sync.
+    read. Built on `device` from Python ints: no host sync; kept for the units that draw the same rows of a tensor of
+    the same length (a step's units all draw the same), as a read-only tensor.
     """
     if max_rows <= 0 or max_rows >= n:
         return None
+    return _spread(n, max_rows, (draw * 7919) % n, str(torch.device(device)))  # a prime step: starts far apart
+
+
+@functools.lru_cache(maxsize=1024)
+def _spread(n: int, max_rows: int, start: int, device: str) -> torch.Tensor:
     stride = n // max_rows
     while math.gcd(stride, n) != 1:
         stride += 1
-    start = (draw * 7919) % n  # a prime step: successive draws start far apart
     return (torch.arange(max_rows, device=device) * stride + start) % n
 
 

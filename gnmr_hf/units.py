@@ -238,13 +238,13 @@ class RecoverableUnit:
     def sample_rows(self, n: int, device: torch.device | str, count: int | None = None) -> torch.Tensor | None:
         """The rows of an n-row tensor this measurement reads: `count` (default `fidelity_rows`) of them, spread
         (`gnmr_hf.fidelity.spread_rows`); None: all."""
-        # The rows depend only on the optimizer step and the measurement's place in it, so that a resumed run
-        # reads the rows the uninterrupted one read.
+        # The rows depend only on the optimizer step and the measurement's place in the unit's step, so that a
+        # resumed run reads the rows the uninterrupted one read, and the units of a step draw the same (one index).
         step = 0 if self._fidelity_clock is None else self._fidelity_clock()
         if step != self._fidelity_step:
             self._fidelity_step, self._fidelity_draws = step, 0
         self._fidelity_draws += 1
-        draw = step * 65537 + self._fidelity_draws
+        draw = step * 64 + self._fidelity_draws
         return spread_rows(n, self.fidelity_rows if count is None else count, draw, device)
 
     def start_measuring(self, rows: int = 0, clock: Callable[[], int] | None = None) -> None:
