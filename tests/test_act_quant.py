@@ -20,7 +20,7 @@ from gnmr_hf.backends.act_quant import (
     QuantSavedRecompute,
     SaveSpec,
 )
-from gnmr_hf.experiments.pretrain import SavedTensorMeter
+from gnmr_hf.experiments.pretrain import SavedTensorMeter, build_model, llama_config
 from gnmr_hf.quant import absmax_error_bound, quantized_nbytes
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$", r"\.self_attn$"]
@@ -646,3 +646,18 @@ def test_an_mlp_unit_is_scored_on_its_lora_adapters_and_a_frozen_one_on_its_outp
     frozen = small_llama().requires_grad_(False)
     unit = find_units(frozen, "act_quant", kinds=["mlp"])[0]
     assert unit.signal == "output_grad" and unit.output_grad is not None
+
+
+def test_an_attention_unit_lives_while_its_module_does_even_when_its_unit_set_is_dropped():
+    import gc
+
+    from gnmr_hf.units import unit_of
+
+    model = build_model(llama_config(d_model=32, n_layers=1, n_heads=2, seq_len=16, vocab_size=64), seed=0)
+    attention = model.model.layers[0].self_attn
+    find_units(model, "act_quant", include=[r"\.self_attn$"], kinds=["attention"], low_bits=4)  # result dropped
+    gc.collect()
+    unit = unit_of(attention)
+    assert unit is not None and not unit.closed  # still quantizing what attention saves
+    unit.close()
+    assert "_gnmr_attention_unit" not in attention.__dict__ and unit_of(attention) is None

@@ -53,6 +53,7 @@ SCALINGS = ("tensor", "row", "group")
 UNQUANTIZED = 16
 BITS = (2, 3, 4, 5, 6, 7, 8, UNQUANTIZED)
 ATTN_IMPLEMENTATION = "gnmr_act_quant"
+_ATTENTION_UNIT = "_gnmr_attention_unit"
 
 
 @dataclass
@@ -627,6 +628,10 @@ class ActQuantAttentionUnit(_SavesActivations):
         except BaseException:
             self._switch.release()
             raise
+        # The module keeps its unit alive until close(), as a switched unit's forward does: the attention function
+        # finds the unit through the module's weak owner mark, and a unit dropped with its UnitSet would otherwise
+        # leave attention saving q, k, v unquantized without a word.
+        module.__dict__[_ATTENTION_UNIT] = self
 
     def find_signal(self, ctx: DispatchContext) -> Signal:
         weights = [getattr(self.module, p).weight for p in ("q_proj", "k_proj", "v_proj")]
@@ -676,6 +681,7 @@ class ActQuantAttentionUnit(_SavesActivations):
         return [*operands, row_sum_loss(p)]
 
     def _close(self) -> None:
+        self.module.__dict__.pop(_ATTENTION_UNIT, None)
         self._switch.release()
 
 
