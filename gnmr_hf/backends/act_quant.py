@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -306,6 +307,29 @@ class _SavesActivations(RecoverableUnit):
 # ------------------------------------------------------------------------------------------------ linear
 
 
+def _save_cache(ctx: DispatchContext) -> SaveCache:
+    return SaveCache()
+
+
+class _SwitchedSaves(_SavesActivations, SwitchedUnit):
+    """A kind whose module's forward is replaced (every kind but attention): one forward for both paths, since what
+    differs is only how it saves (`current_spec`); the kinds share one save cache per `find_units` call."""
+
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
+        self._cache = ctx.once(_save_cache)
+        super().__init__(name, module, ctx)
+
+    @abstractmethod
+    def saving_forward(self, *args: Any) -> Any:
+        """The module's computation, saving for the backward as `current_spec()` says."""
+
+    def cheap_forward(self, *args: Any) -> Any:
+        return self.saving_forward(*args)
+
+    def recovery_forward(self, *args: Any) -> Any:
+        return self.saving_forward(*args)
+
+
 class QuantSavedLinear(torch.autograd.Function):
     """`F.linear(x, weight, bias)` whose saved input is stored as `spec` says; the gradients use that copy.
 
@@ -347,27 +371,13 @@ class QuantSavedLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def _save_cache(ctx: DispatchContext) -> SaveCache:
-    return SaveCache()
-
-
-class ActQuantLinearUnit(_SavesActivations, SwitchedUnit):
+class ActQuantLinearUnit(_SwitchedSaves):
     """One `nn.Linear` whose saved input is kept at `low_bits` on the cheap path and `high_bits` in recovery."""
 
     kind = "linear"
     fidelity_bound = "saved input at low_bits: relative L2 error / 2"
 
-    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
-        self._cache = ctx.once(_save_cache)
-        super().__init__(name, module, ctx)
-
-    def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x)
-
-    def recovery_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x)
-
-    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+    def saving_forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         training = torch.is_grad_enabled() and m.weight.requires_grad
         if training:
@@ -771,7 +781,7 @@ def _operand_parts(
     return [spec.stats(x, cache, unit.sample_rows(x.numel() // max(x.shape[-1], 1), x.device), bias) for x in tensors]
 
 
-class ActQuantMLPUnit(_SavesActivations, SwitchedUnit):
+class ActQuantMLPUnit(_SwitchedSaves):
     """One SwiGLU MLP (`down_proj(act_fn(gate_proj(x)) * up_proj(x))`, LLaMA's `LlamaMLP`) whose product saves its
     operands, the gate and up projections' outputs, at `low_bits` / `high_bits`; the backward recomputes `act_fn`
     from the saved gate output. The projections themselves are `linear` units (or plain Linears). Signal: the
@@ -782,10 +792,6 @@ class ActQuantMLPUnit(_SavesActivations, SwitchedUnit):
     fidelity_bound = (
         "saved gate and up outputs at low_bits: the worst of max(relative L2 error / 2, row-sum bias / 0.1)"
     )
-
-    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
-        self._cache = ctx.once(_save_cache)
-        super().__init__(name, module, ctx)
 
     def find_signal(self, ctx: DispatchContext) -> Signal:
         # The LoRA adapters of the projections when they have some, else their trainable weights, else (a frozen
@@ -798,16 +804,10 @@ class ActQuantMLPUnit(_SavesActivations, SwitchedUnit):
         weights = [m.weight for m in projections if m.weight.requires_grad]
         return Signal("gate_up_weight", weights) if weights else Signal("output_grad", [])
 
-    def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._mlp(x)
-
-    def recovery_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._mlp(x)
-
     def _product(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.module.act_fn(gate) * up
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def saving_forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.module
         gate, up = m.gate_proj(x), m.up_proj(x)
         if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
@@ -856,7 +856,7 @@ class QuantSavedRMSNorm(torch.autograd.Function):
         return None, grad_x, grad_w, None, None, None
 
 
-class ActQuantNormUnit(_SavesActivations, SwitchedUnit):
+class ActQuantNormUnit(_SwitchedSaves):
     """One RMSNorm module (LLaMA's `LlamaRMSNorm`: `weight * x / rms(x)`) whose input is saved at `low_bits` /
     `high_bits` instead of what its ops keep (the input and the normalized copy), with its exact per-row `rstd`.
     Signal: its own weight's gradient (`signal=`)."""
@@ -866,16 +866,9 @@ class ActQuantNormUnit(_SavesActivations, SwitchedUnit):
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         self.eps = _check_rms_norm(name, module)
-        self._cache = ctx.once(_save_cache)
         super().__init__(name, module, ctx)
 
-    def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._norm(x)
-
-    def recovery_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._norm(x)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+    def saving_forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.module.weight
         if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return self._module_forward(x)
@@ -1002,7 +995,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
         )
 
 
-class ActQuantHeadUnit(_SavesActivations, SwitchedUnit):
+class ActQuantHeadUnit(_SwitchedSaves):
     """The output head (the model's `get_output_embeddings()` Linear) whose input is saved at `low_bits` /
     `high_bits`, with the causal-LM loss computed in chunks (`ChunkedHeadLoss`) so that neither the full logits nor
     their log-softmax are kept for the backward. The unit sets the model's `loss_function` (transformers' own
@@ -1022,7 +1015,6 @@ class ActQuantHeadUnit(_SavesActivations, SwitchedUnit):
                 f"act_quant head unit {name!r}: {type(owner).__name__}'s loss is {owner.loss_function!r}; the chunked "
                 "loss replaces only transformers' ForCausalLMLoss; drop 'head' from kinds"
             )
-        self._cache = ctx.once(_save_cache)
         # The head input of each live logits tensor this unit made, for the loss to start from.
         self._inputs: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         super().__init__(name, module, ctx)
@@ -1030,13 +1022,7 @@ class ActQuantHeadUnit(_SavesActivations, SwitchedUnit):
         self._previous_loss = owner.__dict__.get("_loss_function")
         owner.loss_function = self._loss
 
-    def cheap_forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self._head(h)
-
-    def recovery_forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self._head(h)
-
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
+    def saving_forward(self, h: torch.Tensor) -> torch.Tensor:
         m = self.module
         if not (torch.is_grad_enabled() and m.weight.requires_grad):
             return self._module_forward(h)
