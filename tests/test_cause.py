@@ -20,7 +20,16 @@ from gnmr_hf.backends.torchao import float8_input_loss
 from gnmr_hf.cause import UnitRelations
 from gnmr_hf.cli import main as cli_main
 from gnmr_hf.experiments.pretrain import build_model, llama_config
-from gnmr_hf.fidelity import operand_loss, relative_error, row_sum_loss, spread_rows, sum_bias
+from gnmr_hf.fidelity import (
+    loss_of,
+    operand_loss,
+    operand_stats,
+    relative_error,
+    row_sum_loss,
+    spread_rows,
+    sum_bias,
+    unit_losses,
+)
 from gnmr_hf.quant import absmax_rows, quantize_absmax
 from gnmr_hf.signals import UnitSignals
 
@@ -161,6 +170,30 @@ def test_torchao_float8_fidelity_is_the_e4m3_rounding_of_the_input():
     x = torch.tensor([[448.0, 1.0625]])
     bias = 0.0625 / (448 + 1.0625)
     assert float8_input_loss(x).item() == pytest.approx(bias / 0.1, rel=1e-4)
+
+
+def test_unit_losses_take_each_measurements_worst_part_and_average_a_units_measurements():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(6, 8, generator=g), torch.randn(3, 5, generator=g)
+    a_hat, b_hat = a + 0.3 * torch.randn(6, 8, generator=g), b.round()
+    stats_a, stats_b = operand_stats(a, a_hat), operand_stats(b, b_hat)
+    loss_a, loss_b = operand_loss(a, a_hat).item(), operand_loss(b, b_hat).item()
+    broken = operand_stats(a, torch.full_like(a, math.nan))
+    losses, measured = unit_losses(
+        [
+            [[stats_a, stats_b]],  # one measurement: the worst of two operands
+            [[stats_a], [torch.tensor(7.0)]],  # two measurements, averaged
+            [],  # measured nothing
+            [[broken, torch.tensor(0.5)]],  # a NaN copy is broken, whatever else
+        ],
+        "cpu",
+    )
+    assert losses[0].item() == pytest.approx(max(loss_a, loss_b))
+    assert losses[1].item() == pytest.approx((loss_a + 7.0) / 2)
+    assert losses[2].isnan() and measured.tolist() == [True, True, False, True]
+    assert losses[3].item() == math.inf
+    # Without the row-sum bias, only the relative error counts.
+    assert loss_of(operand_stats(a, a_hat, bias=False)).item() == pytest.approx(relative_error(a, a_hat).item() / 2)
 
 
 def test_the_outside_backend_of_the_docs_measures_what_its_cast_loses_on_both_paths():
