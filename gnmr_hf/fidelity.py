@@ -31,6 +31,7 @@ __all__ = [
     "loss_of",
     "operand_loss",
     "operand_stats",
+    "part_device",
     "relative_error",
     "row_sum_loss",
     "spread_rows",
@@ -102,55 +103,49 @@ def _stats_losses(stats: Sequence[OperandStats]) -> torch.Tensor:
     relative = torch.where(norm > 0, (err / norm.clamp_min(tiny)).sqrt(), 0.0)
     bias, mass = torch.cat([s[2] for s in stats]), torch.cat([s[3] for s in stats])
     ratio = torch.where(mass > 0, bias / mass.clamp_min(tiny), 0.0)
-    lengths = [s[2].numel() for s in stats]
-    if len(stats) == 1:
-        mean_ratio = ratio.mean().reshape(1) if lengths[0] else ratio.new_zeros(1)
-    else:
-        counts = torch.tensor(lengths, device=ratio.device)
-        owner = torch.repeat_interleave(torch.arange(len(stats), device=ratio.device), counts)
-        mean_ratio = ratio.new_zeros(len(stats)).index_add_(0, owner, ratio) / counts.clamp_min(1)
+    counts = torch.tensor([s[2].numel() for s in stats], device=ratio.device)
+    owner = torch.repeat_interleave(torch.arange(len(stats), device=ratio.device), counts)
+    mean_ratio = ratio.new_zeros(len(stats)).index_add_(0, owner, ratio) / counts.clamp_min(1)
     loss = torch.maximum(relative / ERROR_BOUND, mean_ratio / BIAS_BOUND)
     return torch.nan_to_num(loss, nan=torch.inf)
 
 
-def unit_losses(
-    measurements: Sequence[Sequence[Sequence[Part]]], device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def part_device(part: Part) -> torch.device:
+    """The device a measurement's part lives on."""
+    return part.device if isinstance(part, torch.Tensor) else part[0].device
+
+
+def unit_losses(measurements: Sequence[Sequence[Sequence[Part]]], device: torch.device | str) -> torch.Tensor:
     """Per unit, the mean over its measurements of the worst of each measurement's parts, in one batched pass.
 
     `measurements[i]`: unit i's measurements since the last call, each a list of parts (operand stats or 0-d
-    losses). Returns ([N] float32 losses, NaN where a unit has no measurement; [N] bool: measured)."""
+    losses). Returns [N] float32 losses, NaN where a unit has no measurement."""
     device = torch.device(device)
     n = len(measurements)
-    stats, stat_of, losses, loss_of, unit_of = [], [], [], [], []
+    stats, stat_owner, losses, loss_owner, unit_of = [], [], [], [], []
     for i, unit in enumerate(measurements):
         for parts in unit:
             m = len(unit_of)
             unit_of.append(i)
             for part in parts:
                 if isinstance(part, torch.Tensor):
-                    losses.append(part if part.device == device else part.to(device))
-                    loss_of.append(m)
+                    losses.append(part.to(device))
+                    loss_owner.append(m)
                 else:
-                    stats.append(part if part[0].device == device else tuple(t.to(device) for t in part))
-                    stat_of.append(m)
+                    stats.append(tuple(t.to(device) for t in part))
+                    stat_owner.append(m)
     if not unit_of:
-        return torch.full((n,), torch.nan, device=device), torch.zeros(n, dtype=torch.bool, device=device)
-    values = []
-    if stats:
-        values.append(_stats_losses(stats))
-    if losses:
-        values.append(torch.stack(losses).float().reshape(-1))
+        return torch.full((n,), torch.nan, device=device)
+    values = ([_stats_losses(stats)] if stats else []) + ([torch.stack(losses).float().reshape(-1)] if losses else [])
     # One host-to-device copy of the bookkeeping: which measurement each value is of, which unit each measurement.
-    index = torch.tensor(stat_of + loss_of + unit_of, device=device)
-    owners, units = index[: len(stat_of) + len(loss_of)], index[len(stat_of) + len(loss_of) :]
+    index = torch.tensor(stat_owner + loss_owner + unit_of, device=device)
+    owners, units = index[: len(stat_owner) + len(loss_owner)], index[len(stat_owner) + len(loss_owner) :]
     worst = torch.full((len(unit_of),), -torch.inf, device=device).scatter_reduce(
-        0, owners, torch.cat(values) if len(values) > 1 else values[0], reduce="amax"
+        0, owners, torch.cat(values), reduce="amax"
     )
     count = torch.bincount(units, minlength=n).float()
     total = torch.zeros(n, device=device).index_add_(0, units, worst)
-    measured = count > 0
-    return torch.where(measured, total / count.clamp_min(1), torch.nan), measured
+    return torch.where(count > 0, total / count.clamp_min(1), torch.nan)
 
 
 def spread_rows(n: int, max_rows: int, draw: int, device: torch.device | str) -> torch.Tensor | None:

@@ -297,7 +297,7 @@ class UnitSignals:
         taken = [u.take_measurements() if hasattr(u, "take_measurements") else [] for u in self.units]
         if not any(taken):
             return None
-        fidelity = unit_losses(taken, self.device)[0]
+        fidelity = unit_losses(taken, self.device)
         if self.dp_group is not None:
             # Each rank measured its own micro-batches: average over the ranks that measured, so that every rank
             # decides the same.

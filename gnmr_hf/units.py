@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 from torch import nn
 
-from .fidelity import spread_rows, unit_losses
+from .fidelity import part_device, spread_rows, unit_losses
 from .options import BackendOptions
 from .signals import OutputGradMeter, Signal, resolve_signal
 
@@ -220,8 +220,7 @@ class RecoverableUnit:
         taken = self.take_measurements()
         if not taken:
             return None
-        device = next((p for p in taken[0] if isinstance(p, torch.Tensor)), taken[0][0][0]).device
-        return unit_losses([taken], device)[0][0]
+        return unit_losses([taken], part_device(taken[0][0]))[0]
 
     @property
     def measuring(self) -> bool:
@@ -235,9 +234,9 @@ class RecoverableUnit:
         the backend reports from its own code, or nothing."""
         return None
 
-    def sample_rows(self, n: int, device: torch.device | str, count: int | None = None) -> torch.Tensor | None:
-        """The rows of an n-row tensor this measurement reads: `count` (default `fidelity_rows`) of them, spread
-        (`gnmr_hf.fidelity.spread_rows`); None: all."""
+    def sample_rows(self, x: torch.Tensor, count: int | None = None) -> torch.Tensor | None:
+        """The rows of `x` (as [-1, x.shape[-1]]) this measurement reads: `count` (default `fidelity_rows`) of them,
+        spread (`gnmr_hf.fidelity.spread_rows`); None: all."""
         # The rows depend only on the optimizer step and the measurement's place in the unit's step, so that a
         # resumed run reads the rows the uninterrupted one read, and the units of a step draw the same (one index).
         step = 0 if self._fidelity_clock is None else self._fidelity_clock()
@@ -245,7 +244,8 @@ class RecoverableUnit:
             self._fidelity_step, self._fidelity_draws = step, 0
         self._fidelity_draws += 1
         draw = step * 64 + self._fidelity_draws
-        return spread_rows(n, self.fidelity_rows if count is None else count, draw, device)
+        n = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
+        return spread_rows(n, self.fidelity_rows if count is None else count, draw, x.device)
 
     def start_measuring(self, rows: int = 0, clock: Callable[[], int] | None = None) -> None:
         """Turn fidelity measurement on (the cause policy does, at train begin), reading `rows` rows of each

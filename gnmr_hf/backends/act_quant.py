@@ -311,6 +311,15 @@ def _save_cache(ctx: DispatchContext) -> SaveCache:
     return SaveCache()
 
 
+def _operand_parts(
+    unit: RecoverableUnit, spec: SaveSpec, cache: SaveCache, tensors: Sequence[torch.Tensor], bias: bool = True
+) -> list[OperandStats]:
+    """`SaveSpec.stats` of each operand one unit saves, on the rows `unit.sample_rows` picks, for one report (its
+    loss is the worst one's, as attention's q, k, v: the worst one is the one whose backward breaks first). `bias`:
+    with the row-sum bias (False for a copy that feeds only a weight gradient, docs/method.md)."""
+    return [spec.stats(x, cache, unit.sample_rows(x), bias) for x in tensors]
+
+
 class _SwitchedSaves(_SavesActivations, SwitchedUnit):
     """A kind whose module's forward is replaced (every kind but attention): one forward for both paths, since what
     differs is only how it saves (`current_spec`); the kinds share one save cache per `find_units` call."""
@@ -384,11 +393,10 @@ class ActQuantLinearUnit(_SwitchedSaves):
             self.measure(x)
         out = QuantSavedLinear.apply(x, m.weight, m.bias, self.current_spec(), self._cache)
         if training and self.measuring:
-            # After the save: on the cheap path the cache holds the copy saved, whose scale the measure reuses.
-            rows = self.sample_rows(x.numel() // max(x.shape[-1], 1), x.device)
-            # The relative error only: the copy feeds only the weight-gradient GEMM, which sums over tokens, not
-            # along the rows the bias is taken over (docs/method.md, "Fidelity").
-            self.report_fidelity(self.cheap_spec().stats(x, self._cache, rows, bias=False))
+            # After the save: on the cheap path the cache holds the copy saved, whose scale the measure reuses. The
+            # relative error only: the copy feeds only the weight-gradient GEMM, which sums over tokens, not along
+            # the rows the bias is taken over (docs/method.md, "Fidelity").
+            self.report_fidelity(*_operand_parts(self, self.cheap_spec(), self._cache, (x,), bias=False))
         return out
 
 
@@ -493,9 +501,7 @@ class QuantSavedAttention(torch.autograd.Function):
         # probe: the unit measuring on the cheap path; the backward adds the recomputed rows' sums.
         ctx.probe = None
         if probe is not None:
-            operands = [spec.stats(x, cache, probe.sample_rows(x.numel() // x.shape[-1], x.device)) for x in (q, k, v)]
-            rows = probe.sample_rows(p.numel() // max(p.shape[-1], 1), p.device)
-            ctx.probe = (probe, operands, rows)
+            ctx.probe = (probe, _operand_parts(probe, spec, cache, (q, k, v)), probe.sample_rows(p))
         ctx.is_causal, ctx.scaling, ctx.renormalize, ctx.groups = is_causal, scaling, renormalize, groups
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.has_mask = mask is not None
@@ -670,17 +676,17 @@ class ActQuantAttentionUnit(_SavesActivations):
         spec = self.cheap_spec()
         b, h, t, d = q.shape
         per_head = -(-self.fidelity_rows // (b * h)) if self.fidelity_rows else 0
-        positions = self.sample_rows(t, q.device, per_head)
+        positions = self.sample_rows(q[0, 0], per_head)  # query positions: the rows of one head's q
         q_rows = None
         if positions is not None:
             q_rows = (torch.arange(b * h, device=q.device).unsqueeze(-1) * t + positions).reshape(-1)
         q_low = spec.restore_rows(q, q_rows).reshape(b, h, -1, d)
         k_low = spec.restore_rows(k, None).reshape(k.shape)
-        k_rows = self.sample_rows(k.numel() // d, k.device)
+        k_rows = self.sample_rows(k)
         operands = [
             operand_stats(take_rows(q, q_rows), q_low.reshape(-1, d)),
             operand_stats(take_rows(k, k_rows), take_rows(k_low, k_rows)),
-            spec.stats(v, rows=self.sample_rows(v.numel() // d, v.device)),
+            spec.stats(v, rows=self.sample_rows(v)),
         ]
         groups = h // k.shape[1]
         q_exact = q if positions is None else q.index_select(2, positions)
@@ -770,15 +776,6 @@ class QuantSavedRecompute(torch.autograd.Function):
             found = iter(torch.autograd.grad(out, wanted, grad_out))
             grads = [next(found) if x.requires_grad else None for x in inputs]
         return None, None, None, *grads
-
-
-def _operand_parts(
-    unit: RecoverableUnit, spec: SaveSpec, cache: SaveCache, tensors: Sequence[torch.Tensor], bias: bool = True
-) -> list[OperandStats]:
-    """`SaveSpec.stats` of each operand one unit saves, on the rows `unit.sample_rows` picks, for one report (its
-    loss is the worst one's, as attention's q, k, v: the worst one is the one whose backward breaks first). `bias`:
-    with the row-sum bias (False for a copy that feeds only a weight gradient, docs/method.md)."""
-    return [spec.stats(x, cache, unit.sample_rows(x.numel() // max(x.shape[-1], 1), x.device), bias) for x in tensors]
 
 
 class ActQuantMLPUnit(_SwitchedSaves):

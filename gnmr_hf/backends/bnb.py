@@ -152,7 +152,7 @@ class BnbInt8Unit(BnbUnit):
 
     def input_fidelity(self, x: torch.Tensor) -> OperandStats:
         threshold = float(getattr(self.module.state, "threshold", 0.0) or 0.0)
-        return int8_input_stats(x, threshold, self.sample_rows(x.numel() // max(x.shape[-1], 1), x.device))
+        return int8_input_stats(x, threshold, self.sample_rows(x))
 
     @staticmethod
     def _unsupported(module: nn.Module) -> str | None:
