@@ -180,7 +180,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if cfg.policy == "cause" and self.selection is None:
             # The cause policy reads what each unit's cheap path loses: the units measure it from now on.
             for unit in self.units:
-                unit.start_measuring(cfg.cause_fidelity_rows, clock=lambda: state.global_step)
+                unit.start_measuring(
+                    cfg.cause_fidelity_rows, clock=lambda: state.global_step, recovery_every=cfg.recovery_every
+                )
             relations = UnitRelations.from_names(names, [_kind(u) for u in self.units])
         self.controller = GNMRController(
             cfg, len(self.units), self.signals.device, selection=self.selection, relations=relations

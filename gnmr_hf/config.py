@@ -105,6 +105,15 @@ class GNMRConfig:
             "each step (0: every row). Bounds what measuring costs, whatever the batch (docs/method.md)."
         },
     )
+    cause_recovery_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "policy='cause': a unit in recovery measures what its cheap path would lose every this many "
+            "optimizer steps (its last measure stands between); units on the cheap path measure every step. In "
+            "1..lock_steps, so that a unit still lossy is renewed before its lock runs out; None (default): half of "
+            "lock_steps, rounded up (docs/method.md)."
+        },
+    )
     # Integration knobs: the controller ignores these, the callback reads them.
     backend: str = field(
         default="bnb_int8",
@@ -160,6 +169,13 @@ class GNMRConfig:
         if self.cause_suspect > 1:
             raise ValueError(f"GNMRConfig.cause_suspect must be in (0, 1], got {self.cause_suspect}")
         self._check_int("cause_fidelity_rows", 0)
+        if self.cause_recovery_every is not None:
+            self._check_int("cause_recovery_every", 1)
+        if self.recovery_every > self.lock_steps:
+            raise ValueError(
+                f"GNMRConfig.cause_recovery_every must be <= lock_steps={self.lock_steps} (a unit still lossy must be "
+                f"measured again before its lock runs out), got {self.recovery_every}"
+            )
         self._check_threshold("cause_peer_factor")
         if self.cause_peer_factor <= 1:
             raise ValueError(f"GNMRConfig.cause_peer_factor must be > 1, got {self.cause_peer_factor}")
@@ -230,6 +246,11 @@ class GNMRConfig:
         value = getattr(self, name)
         if value not in allowed:
             raise ValueError(f"GNMRConfig.{name} must be one of {list(allowed)}, got {value!r}")
+
+    @property
+    def recovery_every(self) -> int:
+        """`cause_recovery_every`, or its default: half of `lock_steps`, rounded up."""
+        return self.cause_recovery_every if self.cause_recovery_every is not None else -(-self.lock_steps // 2)
 
     def thresholds(self, step: int) -> tuple[float, float]:
         """(alpha_t, beta_t) at optimizer step `step` (1-based). Computed on the host: no device sync."""

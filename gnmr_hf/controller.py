@@ -34,6 +34,9 @@ _STATE_VERSION = 3
 _TENSOR_STATE = ("norm_sum", "norm_count", "gnmr_window", "locks")
 # Kept only with `relapse_lock` (an older state without them loads as "no relapse seen yet").
 _RELAPSE_STATE = ("lock_length", "exited_at")
+# policy="cause": each unit's last fidelity measure and its step, which stands for a unit in recovery between its
+# measures.
+_CAUSE_STATE = ("held_fidelity", "held_at")
 _NEVER = -(2**62)  # `exited_at` of a unit that never left recovery: no step is within lock_steps of it
 
 
@@ -251,6 +254,9 @@ class GNMRController:
                 )
             self.relations = relations
             self._relations = relations.device_tensors(self.device)
+            self.held_fidelity = torch.full((num_units,), torch.nan, **f64)
+            self.held_at = torch.full((num_units,), _NEVER, dtype=torch.int64, device=self.device)
+            self._held_before: tuple[torch.Tensor, torch.Tensor] | None = None
         if self._keeps_lock_lengths:
             # Relapse-aware lock (docs/method.md): each unit's current full lock, and the step it last left recovery.
             self.lock_length = torch.full((num_units,), config.lock_steps, dtype=torch.int32, device=self.device)
@@ -378,6 +384,17 @@ class GNMRController:
         symptoms; the fidelity says where the cause is and how long to hold it."""
         cfg = self.config
         self._relapse_before = (self.lock_length, self.exited_at)
+        # A unit in recovery measures only every `cause_recovery_every` steps (`RecoverableUnit.measuring`): between
+        # its measures its last one stands, so that it is held, ranked and released on what it measured.
+        fresh = torch.full_like(self.held_fidelity, torch.nan) if fidelity is None else fidelity.to(torch.float64)
+        measured = ~fresh.isnan()
+        # Only a measure from within the unit's measuring period stands: a unit in recovery that stops measuring
+        # (no forward: an unused expert) is not held forever on an old loss.
+        stands = self.active & ~measured & (t - self.held_at < cfg.recovery_every)
+        self._held_before = (self.held_fidelity, self.held_at)
+        fidelity = torch.where(stands, self.held_fidelity, fresh)
+        self.held_fidelity = torch.where(measured, fresh, self.held_fidelity)
+        self.held_at = torch.where(measured, t, self.held_at)
         out = cause_step(
             t=t,
             fidelity=fidelity,
@@ -476,6 +493,8 @@ class GNMRController:
         if self._keeps_lock_lengths and self._relapse_before is not None:
             self.lock_length, self.exited_at = self._relapse_before
             self._relapse_before = None
+        if self.cause and self._held_before is not None:
+            (self.held_fidelity, self.held_at), self._held_before = self._held_before, None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -491,7 +510,9 @@ class GNMRController:
         return state
 
     def _state_names(self) -> tuple[str, ...]:
-        return _TENSOR_STATE + (_RELAPSE_STATE if self._keeps_lock_lengths else ())
+        return (
+            _TENSOR_STATE + (_RELAPSE_STATE if self._keeps_lock_lengths else ()) + (_CAUSE_STATE if self.cause else ())
+        )
 
     def json_state(self) -> dict[str, Any]:
         """`state_dict()` with plain lists: JSON-safe and exact (float64 round-trips through repr).
@@ -562,6 +583,8 @@ class GNMRController:
             loaded[key] = value.clone()
         if self._keeps_lock_lengths:
             loaded.update(self._load_relapse_state(state))
+        if self.cause:
+            loaded.update(self._load_held(state))
         for name, value in loaded.items():
             setattr(self, name, value)
         self.step = step
@@ -570,6 +593,30 @@ class GNMRController:
 
     def _longest_lock(self) -> int:
         return self.config.relapse_lock_cap if self._keeps_lock_lengths else self.config.lock_steps
+
+    def _load_held(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The cause policy's last fidelity measures and their steps from `state` (JSON null: NaN), or none held
+        when it was saved without them (by another policy, or before they were kept)."""
+        if not all(name in state for name in _CAUSE_STATE):
+            return {
+                "held_fidelity": torch.full_like(self.held_fidelity, torch.nan),
+                "held_at": torch.full_like(self.held_at, _NEVER),
+            }
+        loaded = {}
+        for name, dtype in (("held_fidelity", np.float64), ("held_at", np.int64)):
+            value = state[name]
+            if not isinstance(value, torch.Tensor):
+                try:
+                    value = torch.from_numpy(np.array(value, dtype=dtype))
+                except (TypeError, ValueError) as err:
+                    raise ValueError(f"GNMRController.load_state_dict: {name} is not a numeric array: {err}") from None
+            if value.shape != (self.num_units,):
+                raise ValueError(
+                    f"GNMRController.load_state_dict: {name} has shape {tuple(value.shape)}, "
+                    f"expected ({self.num_units},)"
+                )
+            loaded[name] = value.to(device=self.device, dtype=getattr(self, name).dtype).clone()
+        return loaded
 
     def _load_relapse_state(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The relapse-aware lock's tensors from `state`, or fresh ones when it was saved without the option."""

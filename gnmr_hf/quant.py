@@ -253,13 +253,41 @@ def absmax_rows(
     stochastic rounding draws anew). One scale per tensor is the whole tensor's: `scale` when the caller has it,
     else the absmax of all of `x`. What a fidelity measure reads (`gnmr_hf.fidelity.spread_rows`)."""
     sub = x.reshape(-1, x.shape[-1]).index_select(0, rows)
+    return absmax_round_rows(x, sub, bits, group_size=group_size, stochastic=stochastic, scale=scale)
+
+
+def absmax_round_rows(
+    x: torch.Tensor | None,
+    sub: torch.Tensor,
+    bits: int,
+    *,
+    group_size: int | None = None,
+    stochastic: bool = False,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`absmax_rows` of rows of `x` the caller has already taken (`sub`, [R, x.shape[-1]]): `x` itself is read only
+    for one scale per tensor when `scale` is not given (and may be None when it is, or with `group_size`)."""
     qmax = 2 ** (_check_bits("absmax_rows", bits) - 1) - 1
     if group_size is None:
-        scales = _absmax_scales("absmax_rows", x, bits, None)[1] if scale is None else scale
-        groups, scales = sub.to(torch.float32).unsqueeze(1), scales.reshape(1, 1)
+        if scale is None:
+            if x is None:
+                raise ValueError("absmax_round_rows: one scale per tensor needs x or scale")
+            scale = tensor_absmax_scale(x, bits)
+        groups, scales = sub.to(torch.float32).unsqueeze(1), scale.reshape(1, 1)
     else:
         groups, scales = _absmax_scales("absmax_rows", sub, bits, group_size)
     return _round_codes(groups, scales, qmax, stochastic, None), scales
+
+
+def round_codes(values: torch.Tensor, scales: torch.Tensor, bits: int, *, stochastic: bool = False) -> torch.Tensor:
+    """float32 codes in -qmax..qmax of `values` ([..., n]) at `scales` ([...], one per run of the last dimension),
+    rounded as `quantize_absmax` rounds (a zero or NaN scale divides by 1; NaN codes are 0)."""
+    return _round_codes(values, scales, 2 ** (_check_bits("round_codes", bits) - 1) - 1, stochastic, None)
+
+
+def tensor_absmax_scale(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The one scale `quantize_absmax(x, bits)` uses (0-d float32; NaN when x holds a non-finite value)."""
+    return _absmax_scales("absmax_rows", x, bits, None)[1]
 
 
 def quantized_nbytes(shape: torch.Size | tuple[int, ...], bits: int, group_size: int | None = None) -> int:

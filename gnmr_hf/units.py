@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 from torch import nn
 
-from .fidelity import part_device, spread_rows, unit_losses
+from .fidelity import part_device, resolve, spread_rows, unit_losses
 from .options import BackendOptions
 from .signals import OutputGradMeter, Signal, resolve_signal
 
@@ -144,6 +145,7 @@ class RecoverableUnit:
     _fidelity_draws = 0
     _fidelity_step = 0
     _fidelity_clock: Callable[[], int] | None = None
+    _recovery_every = 1
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         owner = unit_of(module)
@@ -199,7 +201,8 @@ class RecoverableUnit:
     # ------------------------------------------------------------------ fidelity
     def report_fidelity(self, *parts: Any) -> None:
         """Add one measurement of what the cheap path loses: the worst of `parts`, each an operand's sums
-        (`gnmr_hf.fidelity.operand_stats`) or a 0-d loss in units of the bound (`fidelity_bound` says what is
+        (`gnmr_hf.fidelity.operand_stats`), probability rows' sums (`row_totals`), a 0-d loss in units of the bound,
+        or a `gnmr_hf.fidelity.Pending` one of these (`fidelity_bound` says what is
         measured), kept on the device (no sync); the losses are computed for every unit at once when taken. In
         recovery a backend reports what its cheap path *would* lose on the same data, so that the policy can tell
         when releasing the unit is safe."""
@@ -207,6 +210,12 @@ class RecoverableUnit:
             raise ValueError(f"{self.backend} unit {self.name!r}: report_fidelity needs at least one part")
         if self._fidelity_taken is None:
             self._fidelity_taken = []
+        else:
+            # A `Pending` part holds sampled rows until the step's batched pass; a unit measured again before it (the
+            # next micro-batch under gradient accumulation) finishes the earlier ones now, so that no unit holds
+            # more than one measurement's rows.
+            for earlier in self._fidelity_taken:
+                earlier[:] = map(resolve, earlier)
         self._fidelity_taken.append(list(parts))
 
     def take_measurements(self) -> list[list[Any]]:
@@ -224,8 +233,16 @@ class RecoverableUnit:
 
     @property
     def measuring(self) -> bool:
-        """Whether a forward or backward running now should measure fidelity (training passes only)."""
-        return self.measure_fidelity and torch.is_grad_enabled()
+        """Whether a forward or backward running now should measure fidelity (training passes only): every step on
+        the cheap path, every `recovery_every`-th step in recovery (`start_measuring`)."""
+        if not (self.measure_fidelity and torch.is_grad_enabled()):
+            return False
+        if not self._recovering or self._recovery_every == 1:
+            return True
+        # The step from the clock, so that a resumed run measures on the steps the uninterrupted one did; each unit
+        # at its own phase (from its name: stable across processes), so that units in recovery together take turns.
+        step = 0 if self._fidelity_clock is None else self._fidelity_clock()
+        return (step + zlib.crc32(self.name.encode())) % self._recovery_every == 0
 
     def input_fidelity(self, x: torch.Tensor) -> Any:
         """What the cheap path loses on the input `x` of a forward (a part for `report_fidelity`: operand stats or a
@@ -247,12 +264,16 @@ class RecoverableUnit:
         n = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
         return spread_rows(n, self.fidelity_rows if count is None else count, draw, x.device)
 
-    def start_measuring(self, rows: int = 0, clock: Callable[[], int] | None = None) -> None:
+    def start_measuring(self, rows: int = 0, clock: Callable[[], int] | None = None, recovery_every: int = 1) -> None:
         """Turn fidelity measurement on (the cause policy does, at train begin), reading `rows` rows of each
-        tensor measured (0: all of them); `clock()` gives the optimizer step, which picks the rows. Idempotent."""
+        tensor measured (0: all of them); `clock()` gives the optimizer step, which picks the rows and, in recovery,
+        the steps measured: one in `recovery_every` (what the cheap path would lose costs a second rounding, or for
+        attention a second QK^T, that the recovery path does not otherwise pay). Idempotent."""
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
             raise ValueError(f"start_measuring: rows must be an int >= 0 (0: every row), got {rows!r}")
-        self.fidelity_rows, self._fidelity_clock = rows, clock
+        if isinstance(recovery_every, bool) or not isinstance(recovery_every, int) or recovery_every < 1:
+            raise ValueError(f"start_measuring: recovery_every must be an int >= 1, got {recovery_every!r}")
+        self.fidelity_rows, self._fidelity_clock, self._recovery_every = rows, clock, recovery_every
         if self.measure_fidelity or self.closed:
             return
         self.measure_fidelity = True

@@ -21,13 +21,16 @@ from gnmr_hf.cause import UnitRelations
 from gnmr_hf.cli import main as cli_main
 from gnmr_hf.experiments.pretrain import build_model, llama_config
 from gnmr_hf.fidelity import (
+    Pending,
     loss_of,
     operand_loss,
+    operand_losses,
     operand_stats,
     relative_error,
     row_sum_loss,
     spread_rows,
     sum_bias,
+    take_rows,
     unit_losses,
 )
 from gnmr_hf.quant import absmax_rows, quantize_absmax
@@ -271,6 +274,90 @@ def test_save_spec_restores_sampled_rows_exactly_as_the_whole_copy_faults_includ
         assert spec.loss(x, rows).item() == pytest.approx(operand_loss(x.reshape(-1, 16)[rows], whole[rows]).item())
 
 
+@pytest.mark.parametrize("scaling, bits", [("tensor", 4), ("row", 3), ("group", 4), ("tensor", 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pending_save_stats_finish_together_to_the_losses_of_the_whole_copies_faults_included(scaling, bits, dtype):
+    g = torch.Generator().manual_seed(2)
+    # Three tensors of one shape at different scales (one per-tensor scale each), so that the batched rounding must
+    # keep each tensor's own scale; the rows a measure reads.
+    xs = [(torch.randn(4, 10, 16, generator=g) * s).to(dtype) for s in (1.0, 30.0, 1e-3)]
+    rows = torch.tensor([0, 5, 6, 21, 39])
+    for fault in ({}, {"fault_scale": 3.0, "fault_stride": 3}):
+        spec = SaveSpec(bits, scaling, 8, **fault)
+        expected = []
+        for x in xs:
+            whole = spec.restore(*spec.save(x)).reshape(-1, 16)
+            expected.append(operand_loss(x.reshape(-1, 16)[rows], whole[rows]).item())
+        pending = [spec.stats(x, None, rows) for x in xs]
+        assert all(isinstance(p, Pending) for p in pending)
+        # One measurement per unit, each finished with the others (one group), then one alone.
+        losses = unit_losses([[[p]] for p in pending], "cpu")
+        assert losses.tolist() == pytest.approx(expected, rel=1e-5)
+        alone = spec.stats(xs[1], None, rows)
+        assert alone.resolve().item() == pytest.approx(expected[1], rel=1e-5)
+
+
+def test_pending_parts_of_one_shape_and_rounding_finish_in_one_call_and_a_shared_part_counts_for_each_unit():
+    calls = []
+
+    def finish(key, rows):
+        calls.append(rows.shape)
+        return rows.sum(dim=(1, 2)) * key
+
+    a, b, c = (Pending(finish, 1.0, torch.full((2, 3), v)) for v in (1.0, 2.0, 3.0))
+    other = Pending(finish, 1.0, torch.ones(4, 3))  # another shape: another group
+    losses = unit_losses([[[a, torch.tensor(0.5)]], [[b]], [[a], [c]], [[other]]], "cpu")
+    assert losses.tolist() == pytest.approx([6.0, 12.0, (6.0 + 18.0) / 2, 12.0])
+    assert sorted(calls) == [(1, 4, 3), (3, 2, 3)]  # a (shared by units 0 and 2) finished once, with b and c
+
+
+def test_a_unit_holds_the_rows_of_one_pending_measurement_at_most():
+    unit = find_units(nn.Sequential(nn.Linear(4, 4)), "act_quant", low_bits=4)[0]
+    first = Pending(lambda key, rows: rows.sum(dim=(1, 2)), None, torch.ones(2, 2))
+    second = Pending(lambda key, rows: rows.sum(dim=(1, 2)), None, torch.ones(3, 2))
+    unit.report_fidelity(first)
+    unit.report_fidelity(second)  # the next micro-batch: the first is finished now, its rows let go
+    assert first.tensors == () and second.tensors != ()
+    assert unit.take_fidelity().item() == pytest.approx((4.0 + 6.0) / 2)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(16, 128, 4, 32).transpose(1, 2),  # attention's q, k, v: transposed views
+        lambda: torch.randn(3, 5, 7, 6).permute(2, 0, 1, 3),
+        lambda: torch.randn(4, 6, 8)[:, ::2],  # not one dense block: read after a copy
+        lambda: torch.randn(5, 6, 8).transpose(0, 1)[1:],  # a dense block at an offset into its storage
+        lambda: torch.randn(6, 8).t(),  # the last dimension is not the innermost
+    ],
+)
+def test_sampled_rows_of_a_permuted_tensor_are_the_rows_of_its_contiguous_copy(make):
+    x = make()
+    n = x.numel() // x.shape[-1]
+    for draw in range(3):
+        index = spread_rows(n, max(n // 3, 1), draw, "cpu")
+        assert torch.equal(take_rows(x, index), x.reshape(-1, x.shape[-1])[index])
+
+
+def test_operand_losses_of_a_batch_are_each_operands_loss():
+    g = torch.Generator().manual_seed(3)
+    exact = torch.randn(4, 6, 8, generator=g)
+    rounded = exact + torch.randn(4, 6, 8, generator=g) * torch.tensor([0.0, 0.1, 1.0, 5.0]).reshape(4, 1, 1)
+    rounded[3, 2, 1] = math.nan
+    for bias in (True, False):
+        batched = operand_losses(exact, rounded, bias)
+        for i in range(4):
+            single = loss_of(operand_stats(exact[i], rounded[i], bias)).item()
+            assert batched[i].item() == pytest.approx(single, rel=1e-5)
+    assert batched[3].item() == math.inf
+
+
+def test_a_save_specs_rounded_copy_is_its_saved_copy():
+    x = torch.randn(2, 4, 8, 16, generator=torch.Generator().manual_seed(4)).transpose(1, 2)
+    for spec in (SaveSpec(4), SaveSpec(3, "row"), SaveSpec(4, "group", 8, fault_scale=5.0, fault_stride=2)):
+        assert torch.equal(spec.rounded_copy(x), spec.restore(*spec.save(x)))
+
+
 def _measured(model, units, rows: int, ids) -> list[float]:
     for unit in units:
         unit.start_measuring(rows)
@@ -402,6 +489,84 @@ def test_a_held_unit_is_released_only_lock_steps_after_its_fidelity_is_healthy_a
     in_recovery = [7 in h.active for h in hosts]
     # Held for as long as it is lossy, whatever lock_steps (3) says; then 3 healthy steps and out.
     assert in_recovery == [True] * 10 + [True, True, False, False, False, False]
+
+
+def test_a_unit_in_recovery_is_held_and_released_on_its_last_measure_between_measures():
+    ctl = controller()  # lock_steps 3
+    nan = math.nan
+    lossy, healthy = [0.2] * 7 + [1.8], [0.2] * 8
+    between = [0.2] * 7 + [nan]  # in recovery, unit 7 measures one step in two: NaN between
+    stream = [lossy, between, lossy, between, lossy, between, healthy, between, healthy, between, healthy, between]
+    hosts = [step(ctl, [1.0] * 8, f) for f in stream]
+    in_recovery = [7 in h.active for h in hosts]
+    # Held while its last measure is lossy (a NaN step does not count down), released as if it had measured every
+    # step: the lock (3) counts down from the first healthy measure, 2 more steps in recovery, then out.
+    assert in_recovery == [True] * 8 + [False] * 4
+    # The last measure stands in the trace's severities and in the ranking, not a missing one.
+    assert hosts[1].cause["severity"][0] == [7, pytest.approx(1.8)]
+    assert hosts[1].cause["why"] == [[7, "broken", -1]]  # as when it measured 1.8 that step
+
+
+def test_a_unit_that_stops_measuring_is_not_held_on_its_last_measure_forever():
+    ctl = controller()
+    nan = math.nan
+    # Unit 7 measured broken once, then nothing (say, it ran no forward): recovered on the broken measure, which
+    # stands for its measuring period (2 steps here), then released when its lock runs out, not held forever.
+    stream = [[0.2] * 7 + [1.8]] + [[0.2] * 7 + [nan]] * 8
+    in_recovery = [7 in step(ctl, [1.0] * 8, f).active for f in stream]
+    assert in_recovery[0] and not any(in_recovery[-3:])
+
+
+def test_held_measures_resume_and_revert_exactly():
+    nan = math.nan
+    g = torch.Generator().manual_seed(5)
+    stream = []
+    for t in range(30):
+        fidelity = (0.9 * torch.rand(8, generator=g) ** 2).tolist()
+        if t % 3:
+            fidelity[7] = nan  # measures one step in three
+        if 4 <= t < 12:
+            fidelity[7] = 2.0 if t % 3 == 0 else nan
+        stream.append(((1.0 + torch.rand(8, generator=g)).tolist(), fidelity))
+    whole = [tuple(step(ctl, *row).active) for ctl in [controller()] for row in stream]
+    first = controller()
+    head = [tuple(step(first, *row).active) for row in stream[:10]]
+    assert not math.isnan(first.state_dict()["held_fidelity"][7])
+    resumed = controller()
+    resumed.load_state_dict(json.loads(json.dumps(first.json_state())))
+    assert head + [tuple(step(resumed, *row).active) for row in stream[10:]] == whole
+    # revert() puts the held measures back with the rest of the step.
+    before = first.held_fidelity.clone()
+    step(first, *stream[10])
+    first.revert()
+    assert torch.equal(first.held_fidelity.nan_to_num(-1.0), before.nan_to_num(-1.0))
+    # A state saved without them (another policy, an older version) loads with none held.
+    state = first.state_dict()
+    del state["held_fidelity"], state["held_at"]
+    again = controller()
+    again.load_state_dict(state)
+    assert again.held_fidelity.isnan().all()
+
+
+def test_a_unit_in_recovery_measures_one_step_in_recovery_every_at_its_own_phase():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    units = find_units(model, "act_quant", low_bits=4)
+    clock = {"step": 0}
+    for unit in units:
+        unit.start_measuring(0, clock=lambda: clock["step"], recovery_every=3)
+    units[0].enter_recovery()
+    x = torch.randn(4, 8)
+    measured = {u.name: [] for u in units}
+    for t in range(9):
+        clock["step"] = t
+        model(x).sum().backward()
+        for unit in units:
+            measured[unit.name].append(unit.take_fidelity() is not None)
+    assert all(measured[units[1].name])  # on the cheap path: every step
+    in_recovery = measured[units[0].name]
+    assert sum(in_recovery) == 3 and in_recovery[:3].count(True) == 1 and in_recovery[:3] == in_recovery[3:6]
+    with pytest.raises(ValueError, match="recovery_every must be an int >= 1"):
+        units[0].start_measuring(0, recovery_every=0)
 
 
 def test_a_unit_that_relapses_is_held_twice_as_long():

@@ -60,6 +60,9 @@ INVALID = [
     ({"cause_peer_factor": 1.0}, ValueError, "cause_peer_factor"),
     ({"cause_fidelity_rows": -1}, ValueError, "cause_fidelity_rows"),
     ({"cause_fidelity_rows": 2.5}, TypeError, "cause_fidelity_rows"),
+    ({"cause_recovery_every": 0}, ValueError, "cause_recovery_every"),
+    ({"cause_recovery_every": 2.0}, TypeError, "cause_recovery_every"),
+    ({"cause_recovery_every": 9, "lock_steps": 8}, ValueError, "cause_recovery_every"),
     ({"policy": "cause", "lock_steps": 8, "relapse_lock_cap": 4}, ValueError, "relapse_lock_cap"),
 ]
 

@@ -24,8 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..fidelity import OperandStats, operand_loss, operand_stats, row_sum_loss, take_rows
-from ..quant import QuantizedTensor, absmax_rows, quantize_absmax, quantized_nbytes
+from ..fidelity import OperandStats, Pending, defer, operand_loss, operand_losses, operand_stats, row_totals, take_rows
+from ..quant import (
+    QuantizedTensor,
+    absmax_round_rows,
+    quantize_absmax,
+    quantized_nbytes,
+    round_codes,
+    tensor_absmax_scale,
+)
 from ..signals import Signal, SignalOptions, adapter_tensors, signal_option
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit, unit_of
 
@@ -118,8 +125,12 @@ class ActQuantOptions(SignalOptions):
         self.kinds = kinds
 
     def spec(self, bits: int) -> SaveSpec:
-        """How to save a tensor at `bits` with these options."""
-        return SaveSpec(bits, self.scaling, self.group_size, self.stochastic)
+        """How to save a tensor at `bits` with these options (one `SaveSpec` per value, kept: every forward asks)."""
+        key = (bits, self.scaling, self.group_size, self.stochastic)
+        specs = self.__dict__.setdefault("_specs", {})
+        if key not in specs:
+            specs[key] = SaveSpec(*key)
+        return specs[key]
 
     def extra_bytes(self, *tensors: torch.Tensor) -> int:
         """Bytes saving `tensors` at `high_bits` takes beyond saving them at `low_bits`: what recovery holds."""
@@ -180,31 +191,102 @@ class SaveSpec:
 
     def stats(
         self, x: torch.Tensor, cache: SaveCache | None = None, rows: torch.Tensor | None = None, bias: bool = True
-    ) -> OperandStats:
+    ) -> OperandStats | Pending:
         """The `operand_stats` of `loss` (`bias`: with the row-sum bias), kept in `cache` so that the units reading
         one tensor measure it once, and using the scale of the copy the cache holds (the one saved) where there is
-        one."""
+        one. On sampled `rows`, a `Pending` part: the rows and the scale are taken now, the rounding and the sums
+        run in the step's batched pass."""
         key = ("stats", self, bias, x._version)
         cached = None if cache is None else cache.get(x, key)
         if cached is None:
-            cached = operand_stats(take_rows(x, rows), self.restore_rows(x, rows, cache), bias)
+            exact = take_rows(x.detach(), rows)
+            if rows is None:
+                cached = operand_stats(exact, self._rounded(x, exact, None, cache), bias)
+            else:
+                scale, group = self._tensor_scale(x, cache), self.group_for(x.shape)
+                # The key is a value (spec, dtype, group, bias) and the function a plain one, so that the operands of
+                # every unit with the same rounding finish together (bound methods compare their instance by id). The
+                # row indices are kept only where a fault or row-local scales need them.
+                if scale is not None and self.fault_scale == 1.0:
+                    pending = Pending(
+                        SaveSpec._finish_losses, (self, x.dtype, group, bias, False), exact, scale.reshape(1)
+                    )
+                else:
+                    extra = () if scale is None else (scale.reshape(1),)
+                    pending = Pending(SaveSpec._finish_losses, (self, x.dtype, group, bias, True), exact, rows, *extra)
+                cached = defer(pending)
             if cache is not None:
                 cache.put(x, key, cached)
         return cached
+
+    @staticmethod
+    def _finish_losses(key: tuple[Any, ...], exact: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        """[P] losses of P pending `stats`: their [P, R, W] rows, then [P] one scale per tensor (no fault), or (with
+        `indexed` in the key) their [P, R] row indices and, with one scale per tensor, the [P] scales; rounded as
+        `_round_rows` rounds each tensor's rows, all at once."""
+        self, dtype, group, bias, indexed = key
+        exact = exact.float()
+        if not indexed:
+            # One scale per tensor, no fault: round(x / scale) * scale at each tensor's scale. quantize_absmax's
+            # clamp and nan_to_num change nothing here: |x| <= absmax = qmax * scale, so x / scale rounds to at most
+            # qmax; a NaN row has a NaN scale, whose copy is NaN either way.
+            scale = rest[0].reshape(-1, 1, 1)
+            rounded = exact.div(torch.where(scale > 0, scale, 1.0)).round_().mul_(scale)
+        elif self.bits == UNQUANTIZED:
+            hit = (rest[0] % self.fault_stride == 0).unsqueeze(-1)
+            rounded = exact if self.fault_scale == 1.0 else torch.where(hit, exact * self.fault_scale, exact)
+        elif group is None:
+            # One scale per tensor ([P, 1]), the injected fault on that one scale.
+            scale = rest[1].reshape(-1, 1)
+            codes = round_codes(exact, scale, self.bits, stochastic=self.stochastic)
+            rounded = codes.mul_((scale * self.fault_scale).unsqueeze(-1))
+        else:
+            rounded = torch.stack(
+                [self._round_rows(e, i, torch.float32, group, None) for e, i in zip(exact, rest[0], strict=True)]
+            )
+        if dtype != torch.float32:
+            rounded = rounded.to(dtype).float()
+        return operand_losses(exact, rounded, bias)
 
     def restore_rows(self, x: torch.Tensor, rows: torch.Tensor | None, cache: SaveCache | None = None) -> torch.Tensor:
         """Rows `rows` (all when None) of what saving `x` this way gives back, as [-1, x.shape[-1]], computing only
         those rows: with deterministic rounding the same values `restore(*save(x))` has there, faults included.
         One scale per tensor is the copy's in `cache` when it holds one, else computed from all of `x`."""
+        return self._rounded(x, take_rows(x.detach(), rows), rows, cache).to(x.dtype)
+
+    def _rounded(
+        self, x: torch.Tensor, exact: torch.Tensor, rows: torch.Tensor | None, cache: SaveCache | None
+    ) -> torch.Tensor:
+        """`restore_rows` from `exact`, rows `rows` of `x` already taken, as float32 (of values in x's dtype)."""
         if rows is None:
-            return take_rows(self.restore(*self.save(x, cache)), None)
+            return take_rows(self.restore(*self.save(x, cache)), None).float()
+        return self._round_rows(exact, rows, x.dtype, self.group_for(x.shape), self._tensor_scale(x, cache))
+
+    def rounded_copy(self, x: torch.Tensor, cache: SaveCache | None = None) -> torch.Tensor:
+        """What `restore(*save(x))` gives back (deterministic rounding, faults included), computed without packing
+        the codes: for a measure that needs every row of the copy."""
+        rows = take_rows(x.detach(), None)
+        index = torch.arange(len(rows), device=x.device)
+        scale = self._tensor_scale(x, cache)
+        return self._round_rows(rows, index, x.dtype, self.group_for(x.shape), scale).to(x.dtype).reshape(x.shape)
+
+    def _tensor_scale(self, x: torch.Tensor, cache: SaveCache | None) -> torch.Tensor | None:
+        """The one scale of a quantized per-tensor copy of `x`: the saved copy's when `cache` holds it, else from
+        all of `x`; None for a copy with row-local scales (or none)."""
+        if self.bits == UNQUANTIZED or self.group_for(x.shape) is not None:
+            return None
+        entry = None if cache is None else cache.get(x, self._key(x))
+        return tensor_absmax_scale(x.detach(), self.bits) if entry is None else entry[0][1]
+
+    def _round_rows(
+        self, exact: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, group: int | None, scale: Any
+    ) -> torch.Tensor:
+        """The rounded copy of `exact` (rows `rows` of a tensor of `dtype`), float32, faults included; `scale`: the
+        tensor's one scale when it has one."""
         if self.bits == UNQUANTIZED:
-            return self._corrupt_at(take_rows(x.detach(), rows), rows)
-        group = self.group_for(x.shape)
-        entry = None if cache is None or group is not None else cache.get(x, self._key(x))
-        codes, scales = absmax_rows(
-            x.detach(), rows, self.bits, group_size=group, stochastic=self.stochastic,
-            scale=None if entry is None else entry[0][1],
+            return self._corrupt_at(exact, rows).float()
+        codes, scales = absmax_round_rows(
+            None, exact, self.bits, group_size=group, stochastic=self.stochastic, scale=scale
         )  # fmt: skip
         if self.fault_scale != 1.0 and group is None:
             scales = scales * self.fault_scale  # the one scale: index 0, always hit
@@ -213,7 +295,8 @@ class SaveSpec:
             per_row = scales.shape[-1]
             index = (rows.unsqueeze(-1) * per_row + torch.arange(per_row, device=rows.device)).reshape(-1)
             scales = self._corrupt_at(scales.reshape(-1), index).reshape(scales.shape)
-        return (codes * scales.unsqueeze(-1)).reshape(len(rows), -1).to(x.dtype)
+        rounded = codes.mul_(scales.unsqueeze(-1)).reshape(len(rows), -1)
+        return rounded if dtype == torch.float32 else rounded.to(dtype).float()
 
     def _corrupt(self, rows: torch.Tensor) -> torch.Tensor:
         """`rows` with every `fault_stride`-th one multiplied by `fault_scale` (a copy), or `rows` itself."""
@@ -523,7 +606,7 @@ class QuantSavedAttention(torch.autograd.Function):
         p = _recomputed_probabilities(q, k_rep, lse, mask, ctx.is_causal, scaling)
         if ctx.probe is not None:
             unit, operands, rows = ctx.probe
-            unit.report_fidelity(*operands, row_sum_loss(p, rows))
+            unit.report_fidelity(*operands, row_totals(p, rows))
         if ctx.renormalize:
             total = p.sum(-1, keepdim=True)
             p = p / torch.where(total > 0, total, 1.0)
@@ -681,7 +764,7 @@ class ActQuantAttentionUnit(_SavesActivations):
         if positions is not None:
             q_rows = (torch.arange(b * h, device=q.device).unsqueeze(-1) * t + positions).reshape(-1)
         q_low = spec.restore_rows(q, q_rows).reshape(b, h, -1, d)
-        k_low = spec.restore_rows(k, None).reshape(k.shape)
+        k_low = spec.rounded_copy(k)  # every key: the probabilities' rows sum over all of them
         k_rows = self.sample_rows(k)
         operands = [
             operand_stats(take_rows(q, q_rows), q_low.reshape(-1, d)),
@@ -694,7 +777,7 @@ class ActQuantAttentionUnit(_SavesActivations):
         lse = torch.logsumexp(exact, dim=-1)
         lse = torch.where(torch.isneginf(lse), 0.0, lse)
         p = _recomputed_probabilities(q_low, _repeat_kv(k_low, groups), lse, mask, is_causal, scaling, positions, t)
-        return [*operands, row_sum_loss(p)]
+        return [*operands, row_totals(p)]
 
     def _close(self) -> None:
         self.module.__dict__.pop(_ATTENTION_UNIT, None)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fidelity import operand_stats, take_rows
+from ..fidelity import pending_operand, take_rows
 from ..quant import FORMATS, quantize_blocks
 from ..signals import SignalOptions
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
@@ -81,21 +81,7 @@ class BlockFPLinear(torch.autograd.Function):
             out += bias
         ctx.save_for_backward(x, weight)
         ctx.fmt, ctx.has_bias = fmt, bias is not None
-        # probe: (the measuring unit, its cheap format). The fprop operands' loss now, the dgrad operand's (the
-        # output gradient) in the backward, one report of the worst, each on the unit's sample of rows; on the
-        # recovery path the cheap format rounds those rows a second time, only to measure (activation tiles are
-        # row-local, so the sampled rows round as in the whole). The output gradient has a row per token too: the
-        # same rows are read. The weight (not a per-token tensor, and its 128x128 blocks are not row-local) is read
-        # whole.
-        ctx.probe = None
-        if probe is not None:
-            unit, cheap = probe
-            rows = unit.sample_rows(x2)
-            x_rows = take_rows(x2, rows)
-            xq_rows = take_rows(xq, rows) if cheap == fmt else cheap.operand(x_rows, 1)
-            if cheap != fmt:
-                wq = cheap.operand(weight, 1, weight=True)
-            ctx.probe = (unit, cheap, rows, [operand_stats(x_rows, xq_rows), operand_stats(weight, wq)])
+        ctx.probe = None if probe is None else _forward_probe(probe, fmt, x2, xq, weight, wq)
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
 
     @staticmethod
@@ -110,10 +96,7 @@ class BlockFPLinear(torch.autograd.Function):
             measure_gq = ctx.probe is not None and ctx.probe[1] == fmt
             gq = fmt.operand(g2, 1) if ctx.needs_input_grad[0] or measure_gq else None
             if ctx.probe is not None:
-                unit, cheap, rows, forward_parts = ctx.probe
-                g_rows = take_rows(g2, rows)
-                cheap_g = take_rows(gq, rows) if cheap == fmt else cheap.operand(g_rows, 1)
-                unit.report_fidelity(*forward_parts, operand_stats(g_rows, cheap_g))
+                _backward_probe(ctx.probe, fmt, g2, gq)
             if ctx.needs_input_grad[0]:
                 grad_x = gq @ fmt.operand(weight, 0, weight=True)
                 grad_x = grad_x.reshape(x.shape).to(x.dtype)
@@ -123,6 +106,35 @@ class BlockFPLinear(torch.autograd.Function):
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = g2.sum(0, dtype=torch.float32).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None
+
+
+# probe: (the measuring unit, its cheap format). The fprop operands' loss is taken in the forward, the dgrad operand's
+# (the output gradient) in the backward, one report of the worst, each on the unit's sample of rows; on the recovery
+# path the cheap format rounds those rows a second time, only to measure (activation tiles are row-local, so the
+# sampled rows round as in the whole). The output gradient has a row per token too: the same rows are read. The
+# weight (not a per-token tensor, and its 128x128 blocks are not row-local) is read whole.
+
+
+@torch.no_grad()
+def _forward_probe(
+    probe: tuple[Any, GemmFormat], fmt: GemmFormat, x2: torch.Tensor, xq: torch.Tensor, weight: torch.Tensor,
+    wq: torch.Tensor,
+) -> tuple[Any, ...]:  # fmt: skip
+    unit, cheap = probe
+    rows = unit.sample_rows(x2)
+    x_rows = take_rows(x2, rows)
+    xq_rows = take_rows(xq, rows) if cheap == fmt else cheap.operand(x_rows, 1)
+    wq = wq if cheap == fmt else cheap.operand(weight, 1, weight=True)
+    parts = [pending_operand(x_rows, xq_rows), pending_operand(weight, wq)]
+    return unit, cheap, rows, parts
+
+
+@torch.no_grad()
+def _backward_probe(probe: tuple[Any, ...], fmt: GemmFormat, g2: torch.Tensor, gq: torch.Tensor | None) -> None:
+    unit, cheap, rows, forward_parts = probe
+    g_rows = take_rows(g2, rows)
+    cheap_g = take_rows(gq, rows) if cheap == fmt else cheap.operand(g_rows, 1)
+    unit.report_fidelity(*forward_parts, pending_operand(g_rows, cheap_g))
 
 
 def block_fp_linear(
