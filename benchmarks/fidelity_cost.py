@@ -2,13 +2,13 @@
 
     OMP_NUM_THREADS=1 python benchmarks/fidelity_cost.py --rounds 5 --steps 8 --out runs/fidelity_cost.json
 
-The probe-scale LLaMA of the pretraining recipes (d=128, 4 layers, batch 16 x 128 bytes), one forward + backward per
-step, in the two stress regimes' unit sets: act_quant 4/8-bit with the 28 projections and 4 attention units, and
-block_fp e2m1/e4m3 with the 28 projections and the output head. Per regime, modes interleaved in rounds so that
-drift on a shared machine hits them alike: every unit on the cheap path, or `max_active` = 4 units in recovery
-(these measure what the cheap path would lose every `--recovery_every` steps: the policy's steady state in the
-stress regimes), each with the units not measuring (what the paper's policy runs) or measuring `--rows` rows of
-each tensor (`GNMRConfig.cause_fidelity_rows`, default 256; 0: every row).
+The probe-scale LLaMA of the pretraining recipes (d=128, 4 layers, batch 16 x 128 bytes; `--d_model` for a wider
+one), one forward + backward per step, in the two stress regimes' unit sets: act_quant 4/8-bit with the 28
+projections and 4 attention units, and block_fp e2m1/e4m3 with the 28 projections and the output head. Per regime,
+modes interleaved in rounds so that drift on a shared machine hits them alike: every unit on the cheap path, or
+`max_active` = 4 units in recovery (these measure what the cheap path would lose every `--recovery_every` steps: the
+policy's steady state in the stress regimes), each with the units not measuring (what the paper's policy runs) or
+measuring `--rows` rows of each tensor (`GNMRConfig.cause_fidelity_rows`, default 256; 0: every row).
 
 Reported, per step: the CPU time of the step not measuring (median); the fidelity signal's own time (mean over the
 steps, so that the steps on which a unit in recovery measures count in their share), measured directly as wall time
@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per mode and round")
     parser.add_argument("--rows", type=int, nargs="+", default=[256], help="fidelity_rows to compare (0: every row)")
     parser.add_argument("--recovery_every", type=int, default=4, help="GNMRConfig.cause_recovery_every")
+    parser.add_argument("--d_model", type=int, default=128, help="hidden size (the probe model: 128)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     own = OwnTime()
@@ -116,7 +117,7 @@ def main() -> None:
     clock = [0]
     results = {}
     for regime, (backend, options, include, recovered) in REGIMES.items():
-        model = build_model(llama_config(d_model=128, n_layers=4, n_heads=4, seq_len=128), seed=0)
+        model = build_model(llama_config(d_model=args.d_model, n_layers=4, n_heads=4, seq_len=128), seed=0)
         units = find_units(model, backend, include=include, **options)
         signals = UnitSignals(units)
         chosen = [u for u in units if any(re.search(p, u.name) for p in recovered)][:4]
@@ -152,7 +153,10 @@ def main() -> None:
             "own_share_of_step": {m: statistics.mean(owns[m]) / base[m] for m in modes},
             "end_to_end_extra": {m: median[m] / base[m] - 1 for m in modes},
         }
-    print(f"threads {torch.get_num_threads()}, torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps\n")
+    print(
+        f"d_model {args.d_model}, threads {torch.get_num_threads()}, torch {torch.__version__}, "
+        f"{args.rounds} rounds x {args.steps} steps\n"
+    )
     print(
         "| regime | mode | CPU s/step | fidelity's own time (ms/step) | own time / step not measuring "
         "| end-to-end extra |\n|---|---|---:|---:|---:|---:|"

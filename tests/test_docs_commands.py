@@ -65,6 +65,14 @@ def _inline_commands(text: str) -> list[str]:
     return [s for s in spans if re.match(pattern, s)]
 
 
+def _program(command: str) -> str:
+    """The program a shell line runs: its first word after any `NAME=value` (`OMP_NUM_THREADS=1 python`)."""
+    words = command.split()
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", words[0]):
+        words = words[1:]
+    return words[0] if words else ""
+
+
 def _docstring_commands(path: Path) -> list[str]:
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     commands, current = [], ""
@@ -72,7 +80,7 @@ def _docstring_commands(path: Path) -> list[str]:
         stripped = line.strip()
         if current:
             current += " " + stripped
-        elif line.startswith("    ") and stripped.split(" ", 1)[0] in PROGRAMS:
+        elif line.startswith("    ") and _program(stripped) in PROGRAMS:
             current = stripped
         if current and not current.endswith("\\"):
             commands.append(current)
