@@ -204,9 +204,10 @@ class SaveSpec:
                 cached = operand_stats(exact, self._rounded(x, exact, None, cache), bias)
             else:
                 scale, group = self._tensor_scale(x, cache), self.group_for(x.shape)
-                # The key is a value (spec, dtype, group, bias) and the function a plain one, so that the operands of
-                # every unit with the same rounding finish together (bound methods compare their instance by id). The
-                # row indices are kept only where a fault or row-local scales need them.
+                # The key is a value (spec, dtype, group, bias, whether row indices are kept) and the function a plain
+                # one, so that the operands of every unit with the same rounding finish together (bound methods
+                # compare their instance by id). The row indices are kept only where a fault or row-local scales need
+                # them.
                 if scale is not None and self.fault_scale == 1.0:
                     pending = Pending(
                         SaveSpec._finish_losses, (self, x.dtype, group, bias, False), exact, scale.reshape(1)
