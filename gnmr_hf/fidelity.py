@@ -212,31 +212,35 @@ def _float_rows(t: torch.Tensor) -> torch.Tensor:
 
 def _stats_losses(stats: Sequence[OperandStats]) -> torch.Tensor:
     """[P] `operand_loss` of each operand's stats, batched."""
-    tiny = torch.finfo(torch.float32).tiny
     err, norm = torch.stack([s.error for s in stats]), torch.stack([s.norm for s in stats])
-    relative = torch.where(norm > 0, err / norm.clamp_min(tiny), 0.0)
     counts = [s.row_bias.numel() for s in stats]
     if not any(counts):
-        loss = relative / ERROR_BOUND
-    else:
-        bias, mass = torch.cat([s.row_bias for s in stats]), torch.cat([s.row_mass for s in stats])
-        ratio = torch.where(mass > 0, bias / mass.clamp_min(tiny), 0.0)
-        mean_ratio = _part_means(ratio, counts)
-        loss = torch.maximum(relative / ERROR_BOUND, mean_ratio / BIAS_BOUND)
-    return torch.nan_to_num(loss, nan=torch.inf)
+        return _losses(err, norm)
+    bias, mass = torch.cat([s.row_bias for s in stats]), torch.cat([s.row_mass for s in stats])
+    return _losses(err, norm, _part_means(_ratio(bias, mass), counts))
 
 
 def operand_losses(exact: torch.Tensor, rounded: torch.Tensor, bias: bool = True) -> torch.Tensor:
     """[P] `operand_loss` of P operands of the same shape at once: `exact` and `rounded` [P, R, W] float32."""
-    tiny = torch.finfo(torch.float32).tiny
     diff = rounded - exact
-    err = torch.linalg.vector_norm(diff, dim=(1, 2))
-    norm = torch.linalg.vector_norm(exact, dim=(1, 2))
-    loss = torch.where(norm > 0, err / norm.clamp_min(tiny), 0.0) / ERROR_BOUND
-    if bias:
-        mass = exact.abs().sum(-1)
-        ratio = torch.where(mass > 0, diff.sum(-1).abs_() / mass.clamp_min(tiny), 0.0)
-        loss = torch.maximum(loss, ratio.mean(-1) / BIAS_BOUND)
+    err, norm = torch.linalg.vector_norm(diff, dim=(1, 2)), torch.linalg.vector_norm(exact, dim=(1, 2))
+    if not bias:
+        return _losses(err, norm)
+    return _losses(err, norm, _ratio(diff.sum(-1).abs_(), exact.abs().sum(-1)).mean(-1))
+
+
+def _ratio(bias: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Each row's |sum of errors| over its L1 mass; 0 for a row of zeros."""
+    return torch.where(mass > 0, bias / mass.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+
+
+def _losses(err: torch.Tensor, norm: torch.Tensor, mean_ratio: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss of operands from the L2 norms of their errors and exact values and their mean row-sum bias:
+    max(relative error / ERROR_BOUND, mean bias / BIAS_BOUND), +inf where anything was not finite."""
+    relative = torch.where(norm > 0, err / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    loss = relative / ERROR_BOUND
+    if mean_ratio is not None:
+        loss = torch.maximum(loss, mean_ratio / BIAS_BOUND)
     return torch.nan_to_num(loss, nan=torch.inf)
 
 

@@ -297,6 +297,19 @@ def test_pending_save_stats_finish_together_to_the_losses_of_the_whole_copies_fa
         assert alone.resolve().item() == pytest.approx(expected[1], rel=1e-5)
 
 
+def test_pending_save_stats_round_stochastically_when_the_save_does():
+    # Scale 1 at 4 bits (absmax 7): every other value sits a quarter above an integer. Round to nearest errs by 0.25
+    # on each; stochastic rounding by 0.25 three times in four and 0.75 once: sqrt(3) times the L2 error (the
+    # relative error alone: nearest's error is all bias, stochastic's has none).
+    x = torch.full((64, 16), 2.25)
+    x[:, 0] = 7.0
+    rows = spread_rows(64, 32, 0, "cpu")
+    torch.manual_seed(0)
+    nearest = SaveSpec(4).stats(x, None, rows, bias=False).resolve().item()
+    stochastic = SaveSpec(4, stochastic=True).stats(x, None, rows, bias=False).resolve().item()
+    assert stochastic / nearest == pytest.approx(3**0.5, rel=0.15)
+
+
 def test_pending_parts_of_one_shape_and_rounding_finish_in_one_call_and_a_shared_part_counts_for_each_unit():
     calls = []
 

@@ -204,46 +204,34 @@ class SaveSpec:
                 cached = operand_stats(exact, self._rounded(x, exact, None, cache), bias)
             else:
                 scale, group = self._tensor_scale(x, cache), self.group_for(x.shape)
-                # The key is a value (spec, dtype, group, bias, whether row indices are kept) and the function a plain
-                # one, so that the operands of every unit with the same rounding finish together (bound methods
-                # compare their instance by id). The row indices are kept only where a fault or row-local scales need
-                # them.
-                if scale is not None and self.fault_scale == 1.0:
-                    pending = Pending(
-                        SaveSpec._finish_losses, (self, x.dtype, group, bias, False), exact, scale.reshape(1)
-                    )
-                else:
-                    extra = () if scale is None else (scale.reshape(1),)
-                    pending = Pending(SaveSpec._finish_losses, (self, x.dtype, group, bias, True), exact, rows, *extra)
+                # The key is a value (spec, dtype, group, bias) and the function a plain one, so that the operands of
+                # every unit with the same rounding finish together (bound methods compare their instance by id).
+                # With one scale per tensor the part keeps that scale (a fault multiplies it); otherwise the row
+                # indices, which row-local scales and a fault on unquantized rows need.
+                kept = (rows,) if scale is None else (scale.reshape(1),)
+                pending = Pending(SaveSpec._finish_losses, (self, x.dtype, group, bias), exact, *kept)
                 cached = defer(pending)
             if cache is not None:
                 cache.put(x, key, cached)
         return cached
 
     @staticmethod
-    def _finish_losses(key: tuple[Any, ...], exact: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        """[P] losses of P pending `stats`: their [P, R, W] rows, then [P] one scale per tensor (no fault), or (with
-        `indexed` in the key) their [P, R] row indices and, with one scale per tensor, the [P] scales; rounded as
-        `_round_rows` rounds each tensor's rows, all at once."""
-        self, dtype, group, bias, indexed = key
+    def _finish_losses(key: tuple[Any, ...], exact: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """[P] losses of P pending `stats`: their [P, R, W] rows and, as `stats` kept them, their [P] scales (one
+        per tensor) or their [P, R] row indices; rounded as `_round_rows` rounds each tensor's rows, all at once."""
+        self, dtype, group, bias = key
         exact = exact.float()
-        if not indexed:
-            # One scale per tensor, no fault: round(x / scale) * scale at each tensor's scale. quantize_absmax's
-            # clamp and nan_to_num change nothing here: |x| <= absmax = qmax * scale, so x / scale rounds to at most
-            # qmax; a NaN row has a NaN scale, whose copy is NaN either way.
-            scale = rest[0].reshape(-1, 1, 1)
-            rounded = exact.div(torch.where(scale > 0, scale, 1.0)).round_().mul_(scale)
-        elif self.bits == UNQUANTIZED:
-            hit = (rest[0] % self.fault_stride == 0).unsqueeze(-1)
+        if self.bits == UNQUANTIZED:
+            hit = (kept % self.fault_stride == 0).unsqueeze(-1)
             rounded = exact if self.fault_scale == 1.0 else torch.where(hit, exact * self.fault_scale, exact)
         elif group is None:
-            # One scale per tensor ([P, 1]), the injected fault on that one scale.
-            scale = rest[1].reshape(-1, 1)
+            # Each tensor's rows at its own scale ([P, 1]); an injected fault multiplies that one scale.
+            scale = kept.reshape(-1, 1)
             codes = round_codes(exact, scale, self.bits, stochastic=self.stochastic)
-            rounded = codes.mul_((scale * self.fault_scale).unsqueeze(-1))
+            rounded = codes.mul_((scale * self.fault_scale if self.fault_scale != 1.0 else scale).unsqueeze(-1))
         else:
             rounded = torch.stack(
-                [self._round_rows(e, i, torch.float32, group, None) for e, i in zip(exact, rest[0], strict=True)]
+                [self._round_rows(e, i, torch.float32, group, None) for e, i in zip(exact, kept, strict=True)]
             )
         if dtype != torch.float32:
             rounded = rounded.to(dtype).float()
