@@ -109,7 +109,8 @@ class GNMRConfig:
         default=None,
         metadata={
             "help": "policy='cause': a unit in recovery measures what its cheap path would lose every this many "
-            "optimizer steps (its last measure stands between); units on the cheap path measure every step. In "
+            "optimizer steps (its last measure stands between); units on the cheap path measure every step (a "
+            "block_fp weight, which only the optimizer moves, on these steps only). In "
             "1..lock_steps, so that a unit still lossy is renewed before its lock runs out; None (default): half of "
             "lock_steps, rounded up (docs/method.md)."
         },

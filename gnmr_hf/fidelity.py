@@ -33,6 +33,7 @@ __all__ = [
     "OperandStats",
     "Pending",
     "RowTotals",
+    "TensorCache",
     "defer",
     "finish_pending",
     "loss_of",
@@ -85,11 +86,18 @@ class Pending:
     __slots__ = ("_done", "finish", "key", "tensors")
 
     def __init__(self, finish: Callable[..., torch.Tensor], key: Any, *tensors: torch.Tensor) -> None:
-        self.finish, self.key, self.tensors, self._done = finish, key, tensors, None
+        self.finish, self.key, self.tensors = finish, key, tensors
+        # Once finished: (the [P] losses of its group, its position there), read only when asked for.
+        self._done: tuple[torch.Tensor, int] | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether the part still waits for its arithmetic (holds its tensors)."""
+        return self._done is None
 
     @property
     def device(self) -> torch.device:
-        return self.tensors[0].device if self._done is None else self._done.device
+        return self.tensors[0].device if self._done is None else self._done[0].device
 
     def group_key(self) -> tuple[Any, ...]:
         """Pending parts with equal group keys finish together: same rounding, same shapes."""
@@ -98,8 +106,32 @@ class Pending:
     def resolve(self) -> torch.Tensor:
         """This part's 0-d loss, computed now (alone) if it was not."""
         if self._done is None:
-            self._done, self.tensors = self.finish(self.key, *(t.unsqueeze(0) for t in self.tensors))[0], ()
-        return self._done
+            self._set_done(self.finish(self.key, *(t.unsqueeze(0) for t in self.tensors)), 0)
+        losses, k = self._done  # type: ignore[misc]
+        return losses[k]
+
+    def _set_done(self, losses: torch.Tensor, k: int) -> None:
+        # The tensors go: a part reported again later (a weight's, `BlockFPUnit.weight_part`) is its loss.
+        self._done, self.tensors = (losses, k), ()
+
+
+class TensorCache:
+    """Entries per live tensor, for the units of one `find_units` call: what several units reading one tensor (q, k
+    and v projections the same normalized hidden states; gate and up projections another) would each compute from it
+    is computed once. Keyed weakly by the tensor (an entry goes when the tensor does) and by a key the caller gives,
+    which should hold the tensor's version counter (an in-place change then makes a new entry)."""
+
+    def __init__(self) -> None:
+        self._entries: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def get(self, x: torch.Tensor, key: tuple[Any, ...]) -> Any:
+        return self._entries.get(x, {}).get(key)
+
+    def put(self, x: torch.Tensor, key: tuple[Any, ...], entry: Any) -> None:
+        per_tensor = self._entries.get(x)
+        if per_tensor is None:
+            per_tensor = self._entries[x] = {}
+        per_tensor[key] = entry
 
 
 def finish_pending(pending: Sequence[Pending]) -> tuple[list[torch.Tensor], list[Pending]]:
@@ -112,6 +144,8 @@ def finish_pending(pending: Sequence[Pending]) -> tuple[list[torch.Tensor], list
     for group in groups.values():
         stacked = [torch.stack(ts) for ts in zip(*(p.tensors for p in group), strict=True)]
         losses.append(group[0].finish(group[0].key, *stacked))
+        for k, part in enumerate(group):
+            part._set_done(losses[-1], k)
         order += group
     return losses, order
 
@@ -289,7 +323,7 @@ def unit_losses(measurements: Sequence[Sequence[Sequence[Part]]], device: torch.
             m = len(unit_of)
             unit_of.append(i)
             for part in parts:
-                if isinstance(part, Pending) and part._done is None:
+                if isinstance(part, Pending) and part.pending:
                     pending.setdefault(id(part), part)
                     pending_owners.append((id(part), m))
                     continue

@@ -237,12 +237,22 @@ class RecoverableUnit:
         the cheap path, every `recovery_every`-th step in recovery (`start_measuring`)."""
         if not (self.measure_fidelity and torch.is_grad_enabled()):
             return False
-        if not self._recovering or self._recovery_every == 1:
+        return not self._recovering or self.on_phase()
+
+    def on_phase(self, step: int | None = None) -> bool:
+        """Whether optimizer step `step` (default: this one) is one of the unit's every `recovery_every`-th
+        (`start_measuring`): the steps a unit in recovery measures, and those on which a backend measures what
+        changes only by an optimizer step's move (a weight). Always True with `recovery_every` 1 or no clock."""
+        if self._recovery_every == 1 or self._fidelity_clock is None:
             return True
         # The step from the clock, so that a resumed run measures on the steps the uninterrupted one did; each unit
         # at its own phase (from its name: stable across processes), so that units in recovery together take turns.
-        step = 0 if self._fidelity_clock is None else self._fidelity_clock()
+        step = self._fidelity_clock() if step is None else step
         return (step + zlib.crc32(self.name.encode())) % self._recovery_every == 0
+
+    def fidelity_step(self) -> int:
+        """The optimizer step measurements are taken at (the clock `start_measuring` got; 0 without one)."""
+        return 0 if self._fidelity_clock is None else self._fidelity_clock()
 
     def input_fidelity(self, x: torch.Tensor) -> Any:
         """What the cheap path loses on the input `x` of a forward (a part for `report_fidelity`: operand stats or a
@@ -256,7 +266,7 @@ class RecoverableUnit:
         spread (`gnmr_hf.fidelity.spread_rows`); None: all."""
         # The rows depend only on the optimizer step and the measurement's place in the unit's step, so that a
         # resumed run reads the rows the uninterrupted one read, and the units of a step draw the same (one index).
-        step = 0 if self._fidelity_clock is None else self._fidelity_clock()
+        step = self.fidelity_step()
         if step != self._fidelity_step:
             self._fidelity_step, self._fidelity_draws = step, 0
         self._fidelity_draws += 1

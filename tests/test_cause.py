@@ -27,6 +27,7 @@ from gnmr_hf.fidelity import (
     operand_losses,
     operand_stats,
     relative_error,
+    resolve,
     row_sum_loss,
     spread_rows,
     sum_bias,
@@ -154,6 +155,78 @@ def test_a_block_fp_unit_reports_the_bias_of_a_tile_whose_small_entries_flush_to
     unit.enter_recovery()  # e4m3 in recovery; the shadow e2m1 copy loses the same
     linear(x).sum().backward()
     assert unit.take_fidelity().item() == pytest.approx(float(expected), rel=1e-5)
+
+
+def _block_fp_attention(**options):
+    model = _small_llama()
+    units = find_units(model, "block_fp", include=[r"layers\.0\.self_attn\.[qkv]_proj$"], **options)
+    return model, units
+
+
+def test_block_fp_units_that_read_one_input_measure_it_once_and_report_that_part_each():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    model, units = _block_fp_attention(low_format="e2m1", high_format="e4m3")
+    alone = []
+    for unit in units:  # each projection measured with the others not measuring: its own parts
+        for other in units:
+            other.measure_fidelity = False
+        unit.start_measuring()
+        model(input_ids=ids, labels=ids).loss.backward()
+        alone.append(unit.take_fidelity().item())
+    for unit in units:
+        unit.start_measuring()
+    model(input_ids=ids, labels=ids).loss.backward()
+    (q,), (k,), (v,) = (u.take_measurements() for u in units)
+    assert q[0] is k[0] is v[0]  # one input part (x, its e2m1 rows), reported by all three
+    assert len({id(q[1]), id(k[1]), id(v[1])}) == 3  # each its own weight and output gradient
+    assert unit_losses([[q], [k], [v]], "cpu").tolist() == pytest.approx(alone, rel=1e-6)
+    # In recovery (e4m3) the shared part still measures what e2m1 would lose on that input.
+    units[1].enter_recovery()
+    model(input_ids=ids, labels=ids).loss.backward()
+    (q,), (k,), (v,) = (u.take_measurements() for u in units)
+    assert q[0] is k[0] is v[0]
+    assert unit_losses([[q], [k], [v]], "cpu").tolist() == pytest.approx(alone, rel=1e-6)
+    units.close()
+
+
+def test_a_block_fp_weight_is_measured_on_the_units_phase_steps_and_its_last_measure_reported_between():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    model, units = _block_fp_attention(low_format="e2m1", high_format="e4m3")
+    unit = units[0]
+    clock = [0]
+    unit.start_measuring(0, clock=lambda: clock[0], recovery_every=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    weights, losses = [], []
+    for step in range(7):
+        clock[0] = step
+        for _ in range(2):  # two micro-batches: the weight is measured once per step
+            model(input_ids=ids, labels=ids).loss.backward()
+        (first, second) = unit.take_measurements()
+        assert first[1] is second[1]
+        weights.append(first[1])
+        losses.append(unit_losses([[[first[1]]]], "cpu").item())
+        optimizer.step()
+        optimizer.zero_grad()
+    measured = [step for step in range(7) if step == 0 or weights[step] is not weights[step - 1]]
+    assert measured == [0] + [s for s in range(1, 7) if unit.on_phase(s)]
+    assert len(measured) < 7
+    for step in range(7):  # between its measures, the last measure's loss is reported
+        last = max(m for m in measured if m <= step)
+        assert losses[step] == losses[last] and step - last < 3
+    # The measure taken on a phase step is the loss of the weight as it is then (moved by the optimizer).
+    cheap = unit.low.operand(unit.module.weight.detach(), 1, weight=True)
+    step = next(s for s in range(7, 20) if unit.on_phase(s))
+    clock[0] = step
+    model(input_ids=ids, labels=ids).loss.backward()
+    ((_, weight_part, _),) = unit.take_measurements()
+    assert resolve(weight_part).item() == pytest.approx(operand_loss(unit.module.weight, cheap).item(), rel=1e-6)
+    # A unit in recovery measures on its phase steps only, its weight fresh each time.
+    unit.enter_recovery()
+    clock[0] = step + 3
+    model(input_ids=ids, labels=ids).loss.backward()
+    ((_, fresh, _),) = unit.take_measurements()
+    assert fresh is not weight_part
+    units.close()
 
 
 def test_bnb_int8_fidelity_is_llm_int8_rounding_of_the_input_without_its_outlier_columns():
@@ -322,6 +395,9 @@ def test_pending_parts_of_one_shape_and_rounding_finish_in_one_call_and_a_shared
     losses = unit_losses([[[a, torch.tensor(0.5)]], [[b]], [[a], [c]], [[other]]], "cpu")
     assert losses.tolist() == pytest.approx([6.0, 12.0, (6.0 + 18.0) / 2, 12.0])
     assert sorted(calls) == [(1, 4, 3), (3, 2, 3)]  # a (shared by units 0 and 2) finished once, with b and c
+    # Finished, a part lets its rows go and is its loss: reported again (a held weight measure), nothing is redone.
+    assert all(not p.pending and p.tensors == () for p in (a, b, c, other))
+    assert unit_losses([[[c]], [[a]]], "cpu").tolist() == [18.0, 6.0] and len(calls) == 2
 
 
 def test_a_unit_holds_the_rows_of_one_pending_measurement_at_most():

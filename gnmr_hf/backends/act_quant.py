@@ -24,7 +24,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from ..fidelity import OperandStats, Pending, defer, operand_loss, operand_losses, operand_stats, row_totals, take_rows
+from ..fidelity import (
+    OperandStats,
+    Pending,
+    TensorCache,
+    defer,
+    operand_loss,
+    operand_losses,
+    operand_stats,
+    row_totals,
+    take_rows,
+)
 from ..quant import (
     QuantizedTensor,
     absmax_round_rows,
@@ -308,7 +318,7 @@ class SaveSpec:
         return saved[0] if meta is None else QuantizedTensor.from_tensors(*saved, **meta).dequantize()
 
 
-class SaveCache:
+class SaveCache(TensorCache):
     """The quantized copies of live tensors, per quantization, for the units of one `find_units` call.
 
     Several Linears often read one tensor (q, k and v projections the same normalized hidden states; gate and up
@@ -316,18 +326,6 @@ class SaveCache:
     Keyed weakly by the tensor (an entry goes when the tensor does) and by its version counter (an in-place change
     makes a new entry).
     """
-
-    def __init__(self) -> None:
-        self._entries: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-    def get(self, x: torch.Tensor, key: tuple[Any, ...]) -> Any:
-        return self._entries.get(x, {}).get(key)
-
-    def put(self, x: torch.Tensor, key: tuple[Any, ...], entry: Any) -> None:
-        per_tensor = self._entries.get(x)
-        if per_tensor is None:
-            per_tensor = self._entries[x] = {}
-        per_tensor[key] = entry
 
 
 class _SavesActivations(RecoverableUnit):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fidelity import pending_operand, take_rows
+from ..fidelity import TensorCache, pending_operand, take_rows
 from ..quant import FORMATS, quantize_blocks
 from ..signals import SignalOptions
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
@@ -81,7 +81,7 @@ class BlockFPLinear(torch.autograd.Function):
             out += bias
         ctx.save_for_backward(x, weight)
         ctx.fmt, ctx.has_bias = fmt, bias is not None
-        ctx.probe = None if probe is None else _forward_probe(probe, fmt, x2, xq, weight, wq)
+        ctx.probe = None if probe is None else _forward_probe(probe, fmt, x, x2, xq, weight, wq)
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(out_dtype)
 
     @staticmethod
@@ -108,25 +108,33 @@ class BlockFPLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-# probe: (the measuring unit, its cheap format). The fprop operands' loss is taken in the forward, the dgrad operand's
-# (the output gradient) in the backward, one report of the worst, each on the unit's sample of rows; on the recovery
-# path the cheap format rounds those rows a second time, only to measure (activation tiles are row-local, so the
-# sampled rows round as in the whole). The output gradient has a row per token too: the same rows are read. The
-# weight (not a per-token tensor, and its 128x128 blocks are not row-local) is read whole.
+# probe: (the measuring unit, its cheap format, the units' shared cache). The fprop operands' loss is taken in the
+# forward, the dgrad operand's (the output gradient) in the backward, one report of the worst, each on the unit's
+# sample of rows; on the recovery path the cheap format rounds those rows a second time, only to measure (activation
+# tiles are row-local, so the sampled rows round as in the whole). The output gradient has a row per token too: the
+# same rows are read. An input several units read (q, k, v projections: one normalized hidden state; gate and up:
+# another) is measured once, and that one part is reported by each of them. The weight (not a per-token tensor, and
+# its 128x128 blocks are not row-local) is read whole, on the unit's every `recovery_every`-th step only
+# (`BlockFPUnit.weight_part`).
 
 
 @torch.no_grad()
 def _forward_probe(
-    probe: tuple[Any, GemmFormat], fmt: GemmFormat, x2: torch.Tensor, xq: torch.Tensor, weight: torch.Tensor,
-    wq: torch.Tensor,
+    probe: tuple[Any, GemmFormat, TensorCache], fmt: GemmFormat, x: torch.Tensor, x2: torch.Tensor, xq: torch.Tensor,
+    weight: torch.Tensor, wq: torch.Tensor,
 ) -> tuple[Any, ...]:  # fmt: skip
-    unit, cheap = probe
+    unit, cheap, cache = probe
     rows = unit.sample_rows(x2)
-    x_rows = take_rows(x2, rows)
-    xq_rows = take_rows(xq, rows) if cheap == fmt else cheap.operand(x_rows, 1)
-    wq = wq if cheap == fmt else cheap.operand(weight, 1, weight=True)
-    parts = [pending_operand(x_rows, xq_rows), pending_operand(weight, wq)]
-    return unit, cheap, rows, parts
+    # The units of a step draw the same rows (one index tensor, compared by identity).
+    key = ("input", cheap, rows, x._version)
+    x_part = cache.get(x, key)
+    if x_part is None:
+        x_rows = take_rows(x2, rows)
+        xq_rows = take_rows(xq, rows) if cheap == fmt else cheap.operand(x_rows, 1)
+        x_part = pending_operand(x_rows, xq_rows)
+        cache.put(x, key, x_part)
+    w_part = unit.weight_part(weight, wq if cheap == fmt else None)
+    return unit, cheap, rows, [x_part, w_part]
 
 
 @torch.no_grad()
@@ -208,10 +216,31 @@ class BlockFPUnit(SwitchedUnit):
         options = ctx.options
         self.low = GemmFormat(options.low_format, options.scaling)
         self.high = GemmFormat(options.high_format, options.scaling)
+        self._cache = ctx.once(_probe_cache)
+        self._weight_held: tuple[int, Any] | None = None
         super().__init__(name, module, ctx)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "formats": f"{self.low.fmt}/{self.high.fmt}", "scaling": self.low.scaling}
+
+    def weight_part(self, weight: torch.Tensor, cheap_wq: torch.Tensor | None) -> Any:
+        """The fidelity part of the weight on the cheap path (`cheap_wq`: its cheap rounding where the forward has
+        it), measured on this unit's every `recovery_every`-th step (`on_phase`) and reported again on the steps
+        between, up to `recovery_every - 1` steps old.
+
+        Why: the weight is a parameter, so its rounding changes only by what the optimizer moves it between steps
+        (about `lr` of it), while reading it whole costs more than the unit's per-token operands together on a
+        small model (docs/method.md, "The cause policy"). A unit in recovery measures on exactly these steps, so its
+        weight part is always fresh. Within one step (micro-batches) the weight is measured once."""
+        step, held = self.fidelity_step(), self._weight_held
+        if held is not None:
+            age = step - held[0]
+            if age == 0 or (0 < age < self._recovery_every and not self.on_phase(step)):
+                return held[1]
+        wq = self.low.operand(weight, 1, weight=True) if cheap_wq is None else cheap_wq
+        part = pending_operand(weight, wq)
+        self._weight_held = (step, part)
+        return part
 
     def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.low)
@@ -223,8 +252,12 @@ class BlockFPUnit(SwitchedUnit):
         m = self.module
         if not m.training and not self.options.quantize_eval:
             return F.linear(x, m.weight, m.bias)
-        probe = (self, self.low) if self.measuring else None
+        probe = (self, self.low, self._cache) if self.measuring else None
         return block_fp_linear(x, m.weight, m.bias, fmt, probe)
+
+
+def _probe_cache(ctx: DispatchContext) -> TensorCache:
+    return TensorCache()
 
 
 def _output_head(ctx: DispatchContext) -> nn.Module | None:
