@@ -88,6 +88,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self.controller_state: dict[str, Any] | None = None
         self.summary_state: dict[str, Any] | None = None
         self.unit_names: list[str] | None = None
+        self.unit_fidelity_state: dict[str, Any] | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pending_fidelity: torch.Tensor | None = None  # read with the norms (policy="cause")
         self._scale_at_capture: torch.Tensor | None = None
@@ -115,8 +116,16 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 "controller_state": self.controller.json_state() if self.controller is not None else None,
                 "summary_state": self.summary.state() if self.summary is not None else None,
                 "unit_names": [u.name for u in self.units] or None,
+                "unit_fidelity_state": self._unit_fidelity_state(),
             },
         }
+
+    def _unit_fidelity_state(self) -> dict[str, Any] | None:
+        """Per unit name, what its measuring carries across steps (`RecoverableUnit.fidelity_state`); None: none."""
+        if self.controller is None or self.config.policy != "cause":
+            return None
+        states = {u.name: s for u in self.units if (s := u.fidelity_state()) is not None}
+        return states or None
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -327,10 +336,11 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 "controller_state": self.controller_state,
                 "summary_state": self.summary_state,
                 "unit_names": self.unit_names,
+                "unit_fidelity_state": self.unit_fidelity_state,
             }
         else:
             attributes = _exported_attributes(getattr(state, "stateful_callbacks", None))
-        self.controller_state = self.summary_state = self.unit_names = None
+        self.controller_state = self.summary_state = self.unit_names = self.unit_fidelity_state = None
         saved = (attributes or {}).get("controller_state")
         if saved is None or (saved.get("step", 0) == 0 and state.global_step == 0):
             if state.global_step > 0:
@@ -350,6 +360,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self.controller.load_state_dict(saved)
         if attributes.get("summary_state") is not None:
             self.summary.load_state(attributes["summary_state"])
+        units = {u.name: u for u in self.units}
+        for name, unit_state in (attributes.get("unit_fidelity_state") or {}).items():
+            units[name].load_fidelity_state(unit_state)
         logger.info("GNMR: restored the controller state of optimizer step %d", state.global_step)
 
     def _install_capture_hooks(self) -> None:

@@ -218,6 +218,16 @@ class RecoverableUnit:
                 earlier[:] = map(resolve, earlier)
         self._fidelity_taken.append(list(parts))
 
+    def fidelity_state(self) -> dict[str, Any] | None:
+        """What this unit's measuring carries from one step to the next and a resume must restore (JSON-safe: the
+        callback writes it into the checkpoint with the controller's state), or None: nothing (the default). May
+        sync with the device: it is read when a checkpoint is written."""
+        return None
+
+    def load_fidelity_state(self, state: dict[str, Any]) -> None:
+        """Restore what `fidelity_state` returned."""
+        raise ValueError(f"{self.backend} unit {self.name!r} keeps no fidelity state, got {state!r}")
+
     def take_measurements(self) -> list[list[Any]]:
         """The measurements reported since the last call (lists of parts); resets."""
         taken, self._fidelity_taken = self._fidelity_taken or [], None

@@ -824,6 +824,52 @@ def test_resume_with_the_cause_policy_gives_identical_decisions(
     assert steps_of(run)[5:] == reference[5:]
 
 
+@pytest.mark.parametrize("restore_callback_states", [False, True])
+def test_a_block_fp_run_resumes_with_its_held_weight_measures(tmp_path, restore_callback_states):
+    """block_fp measures a weight one step in `cause_recovery_every` and reports that measure between: the
+    checkpoint carries it, so the resumed run's measures and decisions are the uninterrupted run's."""
+    from transformers import Trainer, TrainingArguments
+
+    from gnmr_hf import GNMRCallback
+    from gnmr_hf.experiments.pretrain import block_dataset
+
+    tokens = torch.randint(0, 256, (8192,), generator=torch.Generator().manual_seed(0))
+    config = GNMRConfig(
+        backend="block_fp", backend_options="low_format=e2m1,high_format=e4m3", max_active=2, policy="cause",
+        include=[r"_proj$"],
+    )  # fmt: skip
+
+    def train(out, resume=None, **save):
+        model = build_model(llama_config(d_model=32, n_layers=2, n_heads=2, seq_len=32), seed=0)
+        gnmr = GNMRCallback(config)
+        args = TrainingArguments(
+            output_dir=str(out), max_steps=10, per_device_train_batch_size=4, use_cpu=True, report_to=[],
+            disable_tqdm=True, train_sampling_strategy="sequential", learning_rate=1e-3, seed=0, **save,
+        )  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=block_dataset(tokens, 32, 32, 0), callbacks=[gnmr])
+        trainer.train(resume_from_checkpoint=resume)
+
+    train(tmp_path / "full")
+    reference = steps_of(tmp_path / "full")
+    run = tmp_path / "run"
+    train(run, save_strategy="steps", save_steps=5)
+    exported = json.loads((run / "checkpoint-5" / "trainer_state.json").read_text())["stateful_callbacks"]
+    held = exported["GNMRCallback"]["attributes"]["unit_fidelity_state"]
+    assert len(held) == 14 and all(s["weight_measured_at"] <= 5 for s in held.values())
+    shutil.rmtree(run / "checkpoint-10")
+    train(
+        run, resume=str(run / "checkpoint-5"), save_strategy="steps", save_steps=5,
+        restore_callback_states_from_checkpoint=restore_callback_states,
+    )  # fmt: skip
+    assert steps_of(run)[5:] == reference[5:]
+    (unit,) = find_units(nn.Sequential(nn.Linear(4, 4)), "block_fp")
+    with pytest.raises(ValueError, match="needs an int 'weight_measured_at'"):
+        unit.load_fidelity_state({"weight_loss": 0.1})
+    (other,) = find_units(nn.Sequential(nn.Linear(4, 4)), "act_quant")
+    with pytest.raises(ValueError, match="keeps no fidelity state"):
+        other.load_fidelity_state({"weight_loss": 0.1})
+
+
 # ----------------------------------------------------------------------------------------------------- advise
 
 TRACE = [

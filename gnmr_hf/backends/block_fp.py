@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fidelity import TensorCache, pending_operand, take_rows
+from ..fidelity import TensorCache, pending_operand, resolve, take_rows
 from ..quant import FORMATS, quantize_blocks
 from ..signals import SignalOptions
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
@@ -241,6 +241,25 @@ class BlockFPUnit(SwitchedUnit):
         part = pending_operand(weight, wq)
         self._weight_held = (step, part)
         return part
+
+    def fidelity_state(self) -> dict[str, Any] | None:
+        # The held weight measure: a resumed run reports it on the steps the uninterrupted run did (exactly: a
+        # float32 loss survives JSON's float64).
+        if self._weight_held is None:
+            return None
+        step, part = self._weight_held
+        return {"weight_measured_at": step, "weight_loss": float(resolve(part))}
+
+    def load_fidelity_state(self, state: dict[str, Any]) -> None:
+        try:
+            step, loss = int(state["weight_measured_at"]), float(state["weight_loss"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"block_fp unit {self.name!r}: a fidelity state needs an int 'weight_measured_at' and a float "
+                f"'weight_loss', got {state!r}"
+            ) from e
+        loss_tensor = torch.tensor(loss, dtype=torch.float32, device=self.module.weight.device)
+        self._weight_held = (step, loss_tensor)
 
     def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.low)
