@@ -14,7 +14,9 @@ Reported, per step: the CPU time of the step not measuring (median); the fidelit
 steps, so that the steps on which a unit in recovery measures count in their share), measured directly as wall time
 inside every function through which a backend measures (its probes, the attention unit's shadow, the input hook) and
 in the per-step gathering (`UnitSignals.gather_fidelity`), the way docs/performance.md measures "GNMR's own time";
-and, for reference, the end-to-end CPU time's difference (noisier: +-3 points on a shared machine).
+and, for reference, the end-to-end CPU time's difference (noisier: +-3 points on a shared machine), also paired by
+round (each round's mean step less that of the not-measuring mode in the same round, mean +- standard error over
+the rounds: with many short rounds, `--rounds 150 --steps 1`, drift cancels and the error shrinks with the rounds).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import re
 import statistics
 import time
@@ -123,6 +126,7 @@ def main() -> None:
         chosen = [u for u in units if any(re.search(p, u.name) for p in recovered)][:4]
         times: dict[str, list[float]] = {m: [] for m in mode_table}
         owns: dict[str, list[float]] = {m: [] for m in mode_table}
+        round_means: dict[str, list[float]] = {m: [] for m in mode_table}
         for _ in range(args.rounds):
             for mode, (rows, recovering) in mode_table.items():
                 for unit in units:
@@ -143,15 +147,25 @@ def main() -> None:
                     if step:  # the first step of a mode warms up and is not counted
                         times[mode].append(elapsed)
                         owns[mode].append(own.seconds)
+                round_means[mode].append(statistics.mean(times[mode][-args.steps :]))
         units.close()
         median = {m: statistics.median(v) for m, v in times.items()}
         modes = list(mode_table)
-        base = {m: median[modes[i - i % (len(args.rows) + 1)]] for i, m in enumerate(modes)}
+        base_mode = {m: modes[i - i % (len(args.rows) + 1)] for i, m in enumerate(modes)}
+        base = {m: median[base_mode[m]] for m in modes}
+        # Paired: each round's mean step of a mode less that of its not-measuring mode in the same round, so that
+        # drift between rounds cancels; mean and standard error over the rounds, as a share of the step.
+        paired = {m: [a - b for a, b in zip(round_means[m], round_means[base_mode[m]], strict=True)] for m in modes}
         results[regime] = {
             "cpu_s_per_step": median,
             "own_ms_per_step": {m: 1e3 * statistics.mean(v) for m, v in owns.items()},
             "own_share_of_step": {m: statistics.mean(owns[m]) / base[m] for m in modes},
             "end_to_end_extra": {m: median[m] / base[m] - 1 for m in modes},
+            "paired_extra": {m: statistics.mean(paired[m]) / base[m] for m in modes},
+            "paired_extra_se": {
+                m: statistics.stdev(paired[m]) / len(paired[m]) ** 0.5 / base[m] if len(paired[m]) > 1 else math.nan
+                for m in modes
+            },
         }
     print(
         f"d_model {args.d_model}, threads {torch.get_num_threads()}, torch {torch.__version__}, "
@@ -159,13 +173,14 @@ def main() -> None:
     )
     print(
         "| regime | mode | CPU s/step | fidelity's own time (ms/step) | own time / step not measuring "
-        "| end-to-end extra |\n|---|---|---:|---:|---:|---:|"
+        "| end-to-end extra | paired extra (+- s.e.) |\n|---|---|---:|---:|---:|---:|---:|"
     )
     for regime, r in results.items():
         for mode in mode_table:
             print(
                 f"| {regime} | {mode} | {r['cpu_s_per_step'][mode]:.3f} | {r['own_ms_per_step'][mode]:.2f} | "
-                f"{r['own_share_of_step'][mode]:.2%} | {r['end_to_end_extra'][mode]:+.1%} |"
+                f"{r['own_share_of_step'][mode]:.2%} | {r['end_to_end_extra'][mode]:+.1%} | "
+                f"{r['paired_extra'][mode]:+.2%} +- {r['paired_extra_se'][mode]:.2%} |"
             )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
