@@ -10,7 +10,10 @@ modes interleaved in rounds so that drift on a shared machine hits them alike: e
 policy's steady state in the stress regimes), each with the units not measuring (what the paper's policy runs) or
 measuring `--rows` rows of each tensor (`GNMRConfig.cause_fidelity_rows`, default 256; 0: every row).
 
-Reported, per step: the CPU time of the step not measuring (median); the fidelity signal's own time (mean over the
+`--device cuda` runs the same on a GPU (`benchmarks/gpu_check.sh` does, at d=128 and d=2048).
+
+Reported, per step: the time of the step not measuring (median; CPU time on a CPU, synchronized wall time on a
+GPU); the fidelity signal's own time (mean over the
 steps, so that the steps on which a unit in recovery measures count in their share), measured directly as wall time
 inside every function through which a backend measures (its probes, the attention unit's shadow, the input hook) and
 in the per-step gathering (`UnitSignals.gather_fidelity`), the way docs/performance.md measures "GNMR's own time";
@@ -111,16 +114,22 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[256], help="fidelity_rows to compare (0: every row)")
     parser.add_argument("--recovery_every", type=int, default=4, help="GNMRConfig.cause_recovery_every")
     parser.add_argument("--d_model", type=int, default=128, help="hidden size (the probe model: 128)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (step time: synchronized wall time)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    device = torch.device(args.device)
+    # On a CPU the step's CPU time; on a GPU its wall time with the device synchronized at both ends (the kernels run
+    # asynchronously: the host's own time inside the measuring functions is then what launching them costs).
+    step_clock = time.perf_counter if device.type == "cuda" else time.process_time
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     own = OwnTime()
     own.install()
     mode_table = build_modes(args.rows)
-    ids = torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(0)).to(device)
     clock = [0]
     results = {}
     for regime, (backend, options, include, recovered) in REGIMES.items():
-        model = build_model(llama_config(d_model=args.d_model, n_layers=4, n_heads=4, seq_len=128), seed=0)
+        model = build_model(llama_config(d_model=args.d_model, n_layers=4, n_heads=4, seq_len=128), seed=0).to(device)
         units = find_units(model, backend, include=include, **options)
         signals = UnitSignals(units)
         chosen = [u for u in units if any(re.search(p, u.name) for p in recovered)][:4]
@@ -140,10 +149,12 @@ def main() -> None:
                     clock[0] += 1
                     model.zero_grad()
                     own.seconds = 0.0
-                    start = time.process_time()
+                    synchronize()
+                    start = step_clock()
                     model(input_ids=ids, labels=ids).loss.backward()
                     signals.compute()
-                    elapsed = time.process_time() - start
+                    synchronize()
+                    elapsed = step_clock() - start
                     if step:  # the first step of a mode warms up and is not counted
                         times[mode].append(elapsed)
                         owns[mode].append(own.seconds)
@@ -157,7 +168,7 @@ def main() -> None:
         # drift between rounds cancels; mean and standard error over the rounds, as a share of the step.
         paired = {m: [a - b for a, b in zip(round_means[m], round_means[base_mode[m]], strict=True)] for m in modes}
         results[regime] = {
-            "cpu_s_per_step": median,
+            "step_s": median,
             "own_ms_per_step": {m: 1e3 * statistics.mean(v) for m, v in owns.items()},
             "own_share_of_step": {m: statistics.mean(owns[m]) / base[m] for m in modes},
             "end_to_end_extra": {m: median[m] / base[m] - 1 for m in modes},
@@ -167,18 +178,16 @@ def main() -> None:
                 for m in modes
             },
         }
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"threads {torch.get_num_threads()}"
+    print(f"d_model {args.d_model}, {where}, torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps\n")
     print(
-        f"d_model {args.d_model}, threads {torch.get_num_threads()}, torch {torch.__version__}, "
-        f"{args.rounds} rounds x {args.steps} steps\n"
-    )
-    print(
-        "| regime | mode | CPU s/step | fidelity's own time (ms/step) | own time / step not measuring "
+        "| regime | mode | step (s) | fidelity's own time (ms/step) | own time / step not measuring "
         "| end-to-end extra | paired extra (+- s.e.) |\n|---|---|---:|---:|---:|---:|---:|"
     )
     for regime, r in results.items():
         for mode in mode_table:
             print(
-                f"| {regime} | {mode} | {r['cpu_s_per_step'][mode]:.3f} | {r['own_ms_per_step'][mode]:.2f} | "
+                f"| {regime} | {mode} | {r['step_s'][mode]:.3f} | {r['own_ms_per_step'][mode]:.2f} | "
                 f"{r['own_share_of_step'][mode]:.2%} | {r['end_to_end_extra'][mode]:+.1%} | "
                 f"{r['paired_extra'][mode]:+.2%} +- {r['paired_extra_se'][mode]:.2%} |"
             )

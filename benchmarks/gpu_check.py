@@ -1,6 +1,6 @@
 """What GNMR costs on a GPU, on a LLaMA of realistic shape: step time, host syncs, flip latency, peak memory.
 
-    bash benchmarks/gpu_check.sh                                     # one GPU, ~1.1B LLaMA, under 9 minutes
+    bash benchmarks/gpu_check.sh                                     # one GPU, ~1.1B LLaMA, under 11 minutes
     python benchmarks/gpu_check.py --size tiny --steps 4 --out runs/gpu_check_cpu   # the same logic on a CPU
 
 1. Builds a LLaMA from a config (`--size 1b`: TinyLlama's shape, 22 layers, hidden 2048, 1.1B parameters; random

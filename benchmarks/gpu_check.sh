@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# bash benchmarks/gpu_check.sh [OUT]                      (default runs/gpu_check; one CUDA GPU, under 9 minutes)
+# bash benchmarks/gpu_check.sh [OUT]                      (default runs/gpu_check; one CUDA GPU, under 11 minutes)
 #
 # GNMR on a GPU with a LLaMA of realistic shape (1.1B parameters, random weights, built and saved as safetensors
 # here, loaded in 8-bit with LoRA; nothing is downloaded): step time of plain / monitor-only / active GNMR,
 # device-to-host syncs per step, the flip latency against one host-to-device copy of the unit's BF16 weight, and
 # peak memory (benchmarks/gpu_check.py says what each number means); then act_quant's saved activations at 16/8/4 bits
-# against plain (benchmarks/act_quant_step_time.py). On a CPU, check the logic with
+# against plain (benchmarks/act_quant_step_time.py); then what the cause policy's fidelity signal costs, on the probe
+# model and at d=2048 (benchmarks/fidelity_cost.py). On a CPU, check the logic with
 #     python benchmarks/gpu_check.py --size tiny --steps 4 --out runs/gpu_check_cpu
 set -euo pipefail
 
@@ -26,3 +27,9 @@ timeout 290 python benchmarks/gpu_check.py --size 1b --out "$OUT"
 # act_quant with every kind on a 1B-class LLaMA: step time and peak memory against plain (about 2 minutes more).
 timeout 240 python benchmarks/act_quant_step_time.py --device cuda --bf16 --d_model 2048 --n_layers 22 --n_heads 32 \
     --vocab 32000 --batch 8 --seq_len 512
+# policy="cause": the fidelity signal's cost per step on the probe model (d=128) and at d=2048, both stress regimes'
+# unit sets (about 1.5 minutes; a failure here does not lose the results above).
+for d in 128 2048; do
+  timeout 60 python benchmarks/fidelity_cost.py --device cuda --d_model "$d" --rounds 3 --steps 8 \
+      --out "$OUT/fidelity_cost_d$d.json" || echo "fidelity_cost.py --d_model $d did not finish (exit $?)"
+done
