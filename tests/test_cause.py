@@ -491,6 +491,43 @@ def test_sampled_query_positions_recompute_exactly_the_rows_of_the_whole_probabi
         torch.testing.assert_close(part, whole[:, :, positions])
 
 
+@pytest.mark.parametrize(
+    "backend, options, include",
+    [
+        ("act_quant", {"kinds": ["linear", "attention"], "low_bits": 3}, [r"_proj$", r"\.self_attn$"]),
+        ("block_fp", {"low_format": "e2m1", "high_format": "e4m3"}, [r"_proj$"]),
+    ],
+)
+def test_fidelity_is_measured_alike_under_activation_checkpointing_and_with_bf16_autocast(backend, options, include):
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+
+    def measured(setup: str) -> list[float]:
+        model = _small_llama()
+        if setup.startswith("checkpointing"):
+            model.gradient_checkpointing_enable({"use_reentrant": setup.endswith("reentrant")})
+        units = find_units(model, backend, include=include, **options)
+        for unit in units:
+            unit.start_measuring(0)  # every row: the setups must measure the same data
+        calls = []
+        hook = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda *_: calls.append(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup == "bf16"):
+            model(input_ids=ids, labels=ids).loss.backward()
+        hook.remove()
+        assert len(calls) == (2 if setup.startswith("checkpointing") else 1), setup  # the layer ran again
+        losses = [u.take_fidelity() for u in units]
+        units.close()
+        assert all(loss is not None for loss in losses), setup
+        return [loss.item() for loss in losses]
+
+    plain = measured("plain")
+    assert all(0 < v < math.inf for v in plain)
+    # A recomputed forward (either checkpointing mode) measures what the plain forward measured.
+    for setup in ("checkpointing", "checkpointing, reentrant"):
+        assert measured(setup) == pytest.approx(plain, rel=1e-5), setup
+    # Under bf16 autocast the units measure the rounding of bf16 activations: the same losses, to bf16's precision.
+    assert measured("bf16") == pytest.approx(plain, rel=0.1)
+
+
 def test_the_callback_measures_the_configured_rows():
     model = nn.Sequential(nn.Linear(4, 4))
     units = find_units(model, "act_quant", low_bits=2)
