@@ -121,9 +121,8 @@ class GNMRCallback(TrainerCallback, ExportableState):
         }
 
     def _unit_fidelity_state(self) -> dict[str, Any] | None:
-        """Per unit name, what its measuring carries across steps (`RecoverableUnit.fidelity_state`); None: none."""
-        if self.controller is None or self.config.policy != "cause":
-            return None
+        """Per unit name, what its measuring carries across steps (`RecoverableUnit.fidelity_state`); None: none (a
+        unit that does not measure, as under the paper's policy, carries nothing)."""
         states = {u.name: s for u in self.units if (s := u.fidelity_state()) is not None}
         return states or None
 
