@@ -4,8 +4,9 @@ Beside the paper's per-unit gradient scores the controller gets each unit's *fid
 this step, in units of its backend's bound; `gnmr_hf.fidelity`) and the units' relations (`UnitRelations`: families
 of units that share a gradient path, peers that are the same unit in other layers). `cause_step` then recovers:
 
-- a unit whose fidelity is past its bound, or far past its peers' (broken, with or without a symptom: a unit broken
-  from the start never deviates from its own past, so the paper's scores never see it);
+- a unit whose fidelity is past its bound, or far past its peers' (all units' for a unit without peers): broken,
+  with or without a symptom (a unit broken from the start never deviates from its own past, so the paper's scores
+  never see it);
 - for a gradient-side symptom (GNMR or DGNMR over its threshold), the unit of the symptom's family whose cheap path
   loses the most, if it loses enough to be suspect; a symptom with no suspect in its family is noise and spends
   nothing; a unit that measures nothing (a backend without a fidelity signal) falls back to the paper's rule;
@@ -46,7 +47,8 @@ class UnitRelations:
     layer's q/k/v/o projections and its attention unit are one family, its gate/up/down projections (with its MLP
     unit, when there is one) another, its norms a third.
     `peers`: units of one peer group are the same unit in other layers (name with the layer index removed, and the
-    same kind), compared with each other when the group has at least 3 members.
+    same kind), compared with each other when the group has at least 3 members; a unit in no such group is compared
+    with all measured units (`cause_step`).
     """
 
     families: tuple[int, ...]
@@ -144,14 +146,17 @@ def cause_step(
     s = sev.nan_to_num(nan=0.0, posinf=1e300)
 
     # Peers: far past the median of the same unit in other layers (and suspect: a tiny loss several times another
-    # tiny loss is no problem).
+    # tiny loss is no problem). A unit without peers (the output head; every unit of a model with fewer than
+    # _MIN_PEERS layers) is compared with the median of all measured units: the losses are on one scale (units of
+    # their bounds), and without a reference a unit lossy from the start but under its bound would never be seen.
+    population = sev.nanmedian()
     if relations["has_peers"]:
         grid, row = relations["peer_index"], relations["peer_row"]
         medians = torch.where(grid >= 0, sev[grid.clamp_min(0)], torch.nan).nanmedian(dim=1).values
-        median = torch.where(row >= 0, medians[row.clamp_min(0)], torch.nan)
-        peer_bad = measured & (s > suspect) & (s > peer_factor * median.nan_to_num(nan=torch.inf))
+        median = torch.where(row >= 0, medians[row.clamp_min(0)], population)
     else:
-        peer_bad = torch.zeros(n, dtype=torch.bool, device=device)
+        median = population.expand(n)
+    peer_bad = measured & (s > suspect) & (s > peer_factor * median.nan_to_num(nan=torch.inf))
     absolute = measured & (s > 1.0)
     broken = absolute | peer_bad
     unhealthy = broken | (measured & (s > suspect))

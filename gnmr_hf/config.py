@@ -95,7 +95,7 @@ class GNMRConfig:
         default=4.0,
         metadata={
             "help": "policy='cause': a unit whose fidelity is this many times the median of its peers (the same "
-            "unit in other layers) and above cause_suspect is broken. > 1."
+            "unit in other layers; all units for a unit without peers) and above cause_suspect is broken. > 1."
         },
     )
     cause_fidelity_rows: int = field(
