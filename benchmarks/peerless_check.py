@@ -1,0 +1,57 @@
+"""Which units of a cause-policy run have no peers, how lossy they measured, and when the peerless rule fires.
+
+    python benchmarks/peerless_check.py runs/fp4_mx_cause/gnmr_cause/seed0/gnmr_trace.jsonl
+
+A unit without peers (`gnmr_hf.cause.UnitRelations`: fewer than 3 of the same unit in other layers) is compared with
+the median of all measured units: broken when its fidelity is past `cause_suspect` and `cause_peer_factor` times
+that median (docs/method.md, "Relations: families and peers"). For each trace this prints, per peerless unit, the
+steps its fidelity is in the trace's top-k severities, its largest value, and the steps on which the rule fires while
+its own bound does not (fidelity in (suspect, 1]): what the rule adds to a run recorded before it, read from the
+recorded severities. The median is taken over the severities the trace lists (`trace_top_k` lossiest units); with
+fewer listed than units it is an upper bound of the true median, so a step counted here fires for certain and a
+step not listed (the unit below the k-th largest loss) could not have fired unless that loss was past `suspect`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import Counter
+
+from gnmr_hf.cause import _MIN_PEERS, UnitRelations
+from gnmr_hf.trace import read_trace
+
+
+def peerless_report(path: str) -> list[str]:
+    header, steps = read_trace(path)
+    units, config = header["units"], header["config"]
+    suspect, factor = config["cause_suspect"], config["cause_peer_factor"]
+    relations = UnitRelations.from_names(units)
+    sizes = Counter(relations.peers)
+    peerless = [i for i, p in enumerate(relations.peers) if sizes[p] < _MIN_PEERS]
+    lines = [f"{path}: {len(units)} units, {len(peerless)} without peers (suspect {suspect}, peer factor {factor})"]
+    severities = [dict(s["cause"]["severity"]) for s in steps if s.get("type") == "step" and "cause" in s]
+    for i in peerless:
+        listed = [sev[i] for sev in severities if i in sev]
+        fires = sum(
+            1
+            for sev in severities
+            if i in sev and suspect < sev[i] <= 1 and sev[i] > factor * statistics.median(sev.values())
+        )
+        largest = f"{max(listed):.3f}" if listed else "-"
+        lines.append(
+            f"  {units[i]}: listed at {len(listed)} of {len(severities)} steps, largest {largest}, "
+            f"the peerless rule fires (under its bound) at {fires} steps"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="+", help="gnmr_trace.jsonl files of policy='cause' runs")
+    for path in parser.parse_args().traces:
+        print("\n".join(peerless_report(path)))
+
+
+if __name__ == "__main__":
+    main()
