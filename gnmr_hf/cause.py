@@ -79,7 +79,8 @@ class UnitRelations:
 
     def device_tensors(self, device: torch.device) -> dict[str, Any]:
         """The relations as device tensors: family ids; a [G, M] index matrix of the peer groups with at least
-        `_MIN_PEERS` members (-1 padding) and each unit's row in it (-1: no such group)."""
+        `_MIN_PEERS` members (-1 padding) and each unit's row in it (-1: no such group); whether any group exists,
+        and whether any unit is in none."""
         groups: dict[int, list[int]] = {}
         for i, g in enumerate(self.peers):
             groups.setdefault(g, []).append(i)
@@ -96,6 +97,7 @@ class UnitRelations:
             "peer_index": index.to(device),
             "peer_row": row_of.to(device),
             "has_peers": bool(big),
+            "has_peerless": bool((row_of < 0).any()),
         }
 
 
@@ -149,7 +151,10 @@ def cause_step(
     # tiny loss is no problem). A unit without peers (the output head; every unit of a model with fewer than
     # _MIN_PEERS layers) is compared with the median of all measured units: the losses are on one scale (units of
     # their bounds), and without a reference a unit lossy from the start but under its bound would never be seen.
-    population = sev.nanmedian()
+    # (The median of all units is a sort of N: taken only where some unit needs it.)
+    population = (
+        sev.nanmedian() if relations["has_peerless"] else torch.full((), torch.nan, dtype=sev.dtype, device=device)
+    )
     if relations["has_peers"]:
         grid, row = relations["peer_index"], relations["peer_row"]
         medians = torch.where(grid >= 0, sev[grid.clamp_min(0)], torch.nan).nanmedian(dim=1).values
