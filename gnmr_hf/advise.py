@@ -5,7 +5,10 @@
 A unit the run *needed persistently* spent at least `--min_share` of the steps from its first entry into recovery to
 the end of the run on the recovery path (default 0.5): what a static rule should keep off the cheap path. For those
 units it prints the evidence (steps recovered, first entry, entries, why the cause policy recovered them, the
-fidelity it measured, the units whose symptoms it was blamed for), then the same carve-out three ways: this
+fidelity it measured, the units whose symptoms it was blamed for). A unit whose traced fidelity was past its bound
+(> 1) in at least `--min_share` of the steps from its first such step on, but that the run did not hold (the budget,
+`max_active`, was full), is listed apart with its evidence: its cheap path was broken too, and a
+static rule, which has no budget, should keep it off. Both kinds make the carve-out, printed three ways: this
 package's `exclude` patterns, a torchao `module_filter_fn`, and bitsandbytes' `llm_int8_skip_modules`; and, for
 every unit, the precision it actually ran in (the share of steps on each path). Every pattern printed is checked
 against the trace's unit names, and so is every `--expect` pattern (a carve-out the user already has): one that
@@ -39,6 +42,8 @@ class UnitEvidence:
     reasons: Counter[str] = field(default_factory=Counter)
     sources: Counter[str] = field(default_factory=Counter)
     fidelity: list[float] = field(default_factory=list)
+    broken: int = 0  # steps whose traced fidelity was past the bound
+    first_broken: int | None = None
 
 
 @dataclass
@@ -48,10 +53,14 @@ class Advice:
     persistent: list[UnitEvidence]
     paths: list[str]
     backend: str
+    # Broken persistently, not held: the budget was full.
+    unheld: list[UnitEvidence] = field(default_factory=list)
+    max_active: int | None = None
 
     @property
     def names(self) -> list[str]:
-        return [u.name for u in self.persistent]
+        """The carve-out: the units needed persistently, then those broken persistently that the run did not hold."""
+        return [u.name for u in self.persistent + self.unheld]
 
 
 def advise(path: str, min_share: float = 0.5) -> Advice:
@@ -80,12 +89,22 @@ def advise(path: str, min_share: float = 0.5) -> Advice:
                         units[i].sources[names[source]] += 1
             for i, value in cause["severity"]:
                 units[i].fidelity.append(float(value))
+                if float(value) > 1:
+                    units[i].broken += 1
+                    if units[i].first_broken is None:
+                        units[i].first_broken = step
     last = int(steps[-1]["step"])
     persistent = [
         u for u in units if u.first_entry is not None and u.recovered >= min_share * (last - u.first_entry + 1)
     ]
+    unheld = [
+        u
+        for u in units
+        if u not in persistent and u.first_broken is not None and u.broken >= min_share * (last - u.first_broken + 1)
+    ]
     paths = header.get("paths") or ["low/high"] * len(names)
-    return Advice(len(steps), units, persistent, list(paths), str(header.get("backend", "")))
+    max_active = (header.get("config") or {}).get("max_active")
+    return Advice(len(steps), units, persistent, list(paths), str(header.get("backend", "")), unheld, max_active)
 
 
 def _pattern(name: str) -> str:
@@ -101,10 +120,11 @@ def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list
     """The printed report and the list of errors (patterns that match no unit)."""
     all_names = [u.name for u in advice.units]
     lines = [f"GNMR advice: {len(advice.units)} {advice.backend} units, {advice.steps} steps"]
-    if not advice.persistent:
+    if not advice.persistent and not advice.unheld:
         lines.append("no unit needed the recovery path persistently: nothing to carve out")
     else:
-        lines.append(f"units the run needed persistently ({len(advice.persistent)}):")
+        if advice.persistent:
+            lines.append(f"units the run needed persistently ({len(advice.persistent)}):")
         for u in advice.persistent:
             share = u.recovered / advice.steps
             why = ", ".join(f"{r} x{c}" for r, c in u.reasons.most_common()) or "-"
@@ -114,6 +134,18 @@ def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list
                 f"  {u.name}: {u.recovered}/{advice.steps} steps recovered ({share:.0%}), first at step "
                 f"{u.first_entry}, {u.entries} entries; why: {why}; {fid}"
                 + (f"; symptoms in: {blamed}" if blamed else "")
+            )
+        if advice.unheld:
+            budget = f"max_active={advice.max_active}" if advice.max_active is not None else "max_active"
+            lines.append(
+                f"units broken persistently that the run did not hold ({len(advice.unheld)}; the budget, {budget}, "
+                "was full):"
+            )
+        for u in advice.unheld:
+            lines.append(
+                f"  {u.name}: fidelity past its bound at {u.broken} steps from step {u.first_broken} on, median "
+                f"{statistics.median(u.fidelity):.3g} over the {len(u.fidelity)} steps traced; {u.recovered} steps "
+                "recovered"
             )
         patterns = [_pattern(n) for n in advice.names]
         lines += [

@@ -1001,6 +1001,35 @@ def test_advise_prints_the_persistent_units_as_a_carve_out_with_evidence_and_pre
     assert capsys.readouterr().out == ADVICE
 
 
+def test_advise_lists_units_broken_persistently_that_the_budget_could_not_hold(tmp_path, capsys):
+    # max_active=1: unit 0 is held; unit 1 is past its bound at every step from step 2 and never held; unit 2 is
+    # healthy; unit 3 is past its bound at one step of four (not persistently).
+    names = [f"model.layers.{i}.self_attn" for i in range(4)]
+    header = {"type": "header", "version": 2, "units": names, "backend": "act_quant", "config": {"max_active": 1}}
+    steps = [
+        {
+            "type": "step", "step": s, "t": s, "active": [0], "entered": [0] if s == 1 else [], "exited": [],
+            "risky": [], "n_scored": 4, "n_candidates": 2, "max_risk": 1.0, "top": [], "alpha": 3.0, "beta": 3.0,
+            "cause": {
+                "why": [[0, "broken", -1]],
+                "severity": [[0, 3.0], [1, 1.5 if s >= 2 else 0.4], [2, 0.1], [3, 1.2 if s == 3 else 0.3]],
+            },
+        }
+        for s in range(1, 6)
+    ]  # fmt: skip
+    path = tmp_path / "gnmr_trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [header, *steps]))
+    assert advise_main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "units broken persistently that the run did not hold (1; the budget, max_active=1, was full):" in out
+    assert (
+        "  model.layers.1.self_attn: fidelity past its bound at 4 steps from step 2 on, median 1.5 over the 5 steps "
+        "traced; 0 steps recovered" in out
+    )
+    assert "llm_int8_skip_modules = ['model.layers.0.self_attn', 'model.layers.1.self_attn']" in out
+    assert "layers.3" not in out.split("precision each unit")[0]
+
+
 def test_advise_fails_on_a_carve_out_that_matches_no_unit(trace, capsys):
     assert advise_main([str(trace), "--expect", r"\.self_attn$", r"\.attention$"]) == 2
     err = capsys.readouterr().err
