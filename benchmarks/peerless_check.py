@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections import Counter
 
-from gnmr_hf.cause import _MIN_PEERS, UnitRelations
+import torch
+
+from gnmr_hf.cause import UnitRelations
 from gnmr_hf.trace import read_trace
 
 
@@ -26,9 +27,9 @@ def peerless_report(path: str) -> list[str]:
     header, steps = read_trace(path)
     units, config = header["units"], header["config"]
     suspect, factor = config["cause_suspect"], config["cause_peer_factor"]
-    relations = UnitRelations.from_names(units)
-    sizes = Counter(relations.peers)
-    peerless = [i for i, p in enumerate(relations.peers) if sizes[p] < _MIN_PEERS]
+    # The policy's own grouping: a unit in no peer group has row -1.
+    rows = UnitRelations.from_names(units).device_tensors(torch.device("cpu"))["peer_row"]
+    peerless = (rows < 0).nonzero().flatten().tolist()
     lines = [f"{path}: {len(units)} units, {len(peerless)} without peers (suspect {suspect}, peer factor {factor})"]
     severities = [dict(s["cause"]["severity"]) for s in steps if s.get("type") == "step" and "cause" in s]
     for i in peerless:

@@ -97,10 +97,11 @@ def advise(path: str, min_share: float = 0.5) -> Advice:
     persistent = [
         u for u in units if u.first_entry is not None and u.recovered >= min_share * (last - u.first_entry + 1)
     ]
+    held = {u.name for u in persistent}
     unheld = [
         u
         for u in units
-        if u not in persistent and u.first_broken is not None and u.broken >= min_share * (last - u.first_broken + 1)
+        if u.name not in held and u.first_broken is not None and u.broken >= min_share * (last - u.first_broken + 1)
     ]
     paths = header.get("paths") or ["low/high"] * len(names)
     max_active = (header.get("config") or {}).get("max_active")

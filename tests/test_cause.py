@@ -602,11 +602,14 @@ def test_a_unit_far_worse_than_its_peers_in_other_layers_is_broken():
     assert list(host.active) == [2] and host.cause["why"] == [[2, "peer", -1]]
 
 
+# Two projections in 4 layers (peers of 4) and the output head, alone of its kind.
+HEAD_NAMES = [f"model.layers.{i}.mlp.{p}" for i in range(4) for p in ("up_proj", "down_proj")] + ["lm_head"]
+
+
 def test_a_unit_without_peers_far_worse_than_all_units_is_broken_from_the_start():
     # The output head is alone of its kind: lossy from the start (0.65 of its bound, as block_fp's MX FP4 head
     # measured in docs/results.md), under the bound and with a flat GNMR, it is compared with every unit's loss.
-    names = [f"model.layers.{i}.mlp.{p}" for i in range(4) for p in ("up_proj", "down_proj")] + ["lm_head"]
-    ctl = controller(names, ["linear"] * 9)
+    ctl = controller(HEAD_NAMES, ["linear"] * 9)
     lossy = [0.12, 0.15] * 4 + [0.65]
     hosts = [step(ctl, [1.0] * 9, lossy) for _ in range(10)]
     assert all(list(h.active) == [8] and h.cause["why"][0][:2] == [8, "peer"] for h in hosts)
@@ -619,8 +622,7 @@ def test_a_unit_without_peers_far_worse_than_all_units_is_broken_from_the_start(
      (0.55, "past cause_suspect but under 4x the median of all units (0.15)")],
 )  # fmt: skip
 def test_a_unit_without_peers_is_not_broken_by_a_loss_near_the_others(head, why):
-    names = [f"model.layers.{i}.mlp.{p}" for i in range(4) for p in ("up_proj", "down_proj")] + ["lm_head"]
-    ctl = controller(names, ["linear"] * 9)
+    ctl = controller(HEAD_NAMES, ["linear"] * 9)
     hosts = [step(ctl, [1.0] * 9, [0.1, 0.15] * 4 + [head]) for _ in range(5)]
     assert not any(len(h.active) for h in hosts), why
 
@@ -628,8 +630,7 @@ def test_a_unit_without_peers_is_not_broken_by_a_loss_near_the_others(head, why)
 def test_units_with_peers_are_compared_with_their_peers_not_with_all_units():
     # Every down_proj loses 0.6 (a heavy-tailed input quantizes worse than others): 6x the median of all units, but
     # no more than its peers, so none of them is broken.
-    names = [f"model.layers.{i}.mlp.{p}" for i in range(4) for p in ("up_proj", "down_proj")] + ["lm_head"]
-    ctl = controller(names, ["linear"] * 9)
+    ctl = controller(HEAD_NAMES, ["linear"] * 9)
     hosts = [step(ctl, [1.0] * 9, [0.1, 0.6] * 4 + [0.1]) for _ in range(5)]
     assert not any(len(h.active) for h in hosts)
 
