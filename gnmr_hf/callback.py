@@ -361,6 +361,12 @@ class GNMRCallback(TrainerCallback, ExportableState):
             self.summary.load_state(attributes["summary_state"])
         units = {u.name: u for u in self.units}
         for name, unit_state in (attributes.get("unit_fidelity_state") or {}).items():
+            if name not in units:
+                raise ValueError(
+                    f"GNMRCallback: the checkpoint's unit_fidelity_state names a unit {name!r} that is not among "
+                    f"the {len(units)} units found now; resume with the same model, backend and "
+                    "include/exclude/module_filter_fn"
+                )
             units[name].load_fidelity_state(unit_state)
         logger.info("GNMR: restored the controller state of optimizer step %d", state.global_step)
 

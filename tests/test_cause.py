@@ -927,6 +927,14 @@ def test_a_block_fp_run_resumes_with_its_held_weight_measures(tmp_path, restore_
         restore_callback_states_from_checkpoint=restore_callback_states,
     )  # fmt: skip
     assert steps_of(run)[5:] == reference[5:]
+    # A checkpoint whose fidelity state names a unit the model does not have is refused, naming the unit.
+    state_file = run / "checkpoint-5" / "trainer_state.json"
+    edited = json.loads(state_file.read_text())
+    attributes = edited["stateful_callbacks"]["GNMRCallback"]["attributes"]
+    attributes["unit_fidelity_state"]["model.layers.9.mlp.up_proj"] = attributes["unit_fidelity_state"].popitem()[1]
+    state_file.write_text(json.dumps(edited))
+    with pytest.raises(ValueError, match=r"unit_fidelity_state names a unit 'model\.layers\.9\.mlp\.up_proj'"):
+        train(run, resume=str(run / "checkpoint-5"))
     (unit,) = find_units(nn.Sequential(nn.Linear(4, 4)), "block_fp")
     with pytest.raises(ValueError, match="needs an int 'weight_measured_at'"):
         unit.load_fidelity_state({"weight_loss": 0.1})
