@@ -9,6 +9,13 @@ scale would corrupt it: every `--stride`-th token's scale of its saved input is 
 schedule (steps, units) depends only on the seed, so every arm gets the same faults. A unit on the recovery path
 is immune: its 8-bit copy is saved correctly.
 
+`--backend block_fp` runs the same on block_fp linear units (FP6 e3m2 GEMM inputs, FP8 e4m3 recovery by default,
+`--low_format`, `--high_format`): the fault makes the rounded copy of the unit's input read `--factor` times its
+value on every `--stride`-th token, in its fprop and wgrad GEMMs, as a blown-up scale of those tokens' tiles would
+(`GemmFormat.fault_scale`); the recovery path's copy is correct.
+
+    python benchmarks/fault_injection.py --backend block_fp --output_dir runs/fault_bfp --learning_rate 1.4e-3
+
 Arms: `clean` (static low-cost, no fault: what the faults cost), `static_low` (faults, nothing reacts), `gnmr`
 (faults, GNMR), `global_z` (faults, a ZClip-style z-score of the total gradient norm, recovering the `max_active`
 units with the largest norms for `lock_steps` steps when it fires: GNMR's budget), `gnmr_cause` (faults, the cause
@@ -27,6 +34,7 @@ import dataclasses
 import json
 import random
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,9 +116,19 @@ def main() -> None:
     parser.add_argument("--duration", type=int, default=4)
     parser.add_argument("--factor", type=float, default=30.0)
     parser.add_argument("--stride", type=int, default=16)
-    parser.add_argument("--low_bits", type=int, default=4)
-    parser.add_argument("--high_bits", type=int, default=8)
+    parser.add_argument("--backend", default="act_quant", choices=("act_quant", "block_fp"))
+    parser.add_argument("--low_bits", type=int, default=4, help="act_quant: bits of the cheap path's saved inputs")
+    parser.add_argument("--high_bits", type=int, default=8, help="act_quant: bits of the recovery path's")
+    parser.add_argument("--low_format", default="e3m2", help="block_fp: the cheap path's element format")
+    parser.add_argument("--high_format", default="e4m3", help="block_fp: the recovery path's")
     cli = parser.parse_args()
+    given_options = {
+        "act_quant": ("low_bits", "high_bits"),
+        "block_fp": ("low_format", "high_format"),
+    }
+    for name in given_options["block_fp" if cli.backend == "act_quant" else "act_quant"]:
+        if f"--{name}" in sys.argv[1:]:
+            parser.error(f"--{name} is an option of the other backend, not of --backend {cli.backend}")
 
     root = Path(cli.output_dir)
     given = {"output_dir"} | {k for k in ("max_steps", "learning_rate") if getattr(cli, k) is not None}
@@ -120,11 +138,11 @@ def main() -> None:
     )
     args = training_arguments(base, cli.preset, given)
     pretrain = PretrainArguments(preset=cli.preset, arms=["static_low"])
-    config = GNMRConfig(
-        backend="act_quant",
-        backend_options={"low_bits": cli.low_bits, "high_bits": cli.high_bits, "scaling": "row"},
-        include=[r"\.(q|k|v|o|gate|up|down)_proj$"],
-    )
+    if cli.backend == "act_quant":
+        options = {"low_bits": cli.low_bits, "high_bits": cli.high_bits, "scaling": "row"}
+    else:
+        options = {"low_format": cli.low_format, "high_format": cli.high_format}
+    config = GNMRConfig(backend=cli.backend, backend_options=options, include=[r"\.(q|k|v|o|gate|up|down)_proj$"])
     corpus = load_corpus(pretrain.corpus, pretrain.corpus_bytes)
     rows = []
     for seed in cli.seeds:

@@ -270,6 +270,61 @@ def test_a_flip_takes_effect_at_the_next_step_adds_nothing_and_leaves_the_optimi
     assert "forward" not in lin.__dict__
 
 
+def test_an_injected_fault_corrupts_only_the_cheap_paths_input_and_shows_in_its_fidelity_on_both_paths():
+    x, _, _, dy = operands()
+    model, unit = linear_unit(low_format="e3m2", high_format="e4m3")
+    w, b = model[0].weight.detach(), model[0].bias.detach()
+    cheap = GemmFormat("e3m2", "fp32")
+    unit.fault_scale, unit.fault_stride = 30.0, 16  # every 16th token's input reads 30x its value
+    assert (unit.fault_scale, unit.fault_stride) == (30.0, 16)
+    faulty = GemmFormat("e3m2", "fp32", 30.0, 16)
+
+    def grads():
+        model.zero_grad()
+        y = model(x)
+        y.backward(dy)
+        return y.detach(), model[0].weight.grad.clone()
+
+    # By hand: the input's rounded copy, every 16th token times 30, in the fprop and in the wgrad.
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = torch.ones(len(x2), 1)
+    rows[::16] = 30.0
+    g2 = dy.reshape(-1, dy.shape[-1])
+    y, dw = grads()
+    wq = cheap.operand(w, 1, weight=True)
+    torch.testing.assert_close(y.reshape(-1, y.shape[-1]), (cheap.operand(x2, 1) * rows) @ wq.t() + b)
+    torch.testing.assert_close(dw, cheap.operand(g2, 0).t() @ (cheap.operand(x2, 0) * rows))
+    assert torch.equal(y, run(x, w, b, dy, faulty)[0])
+    index = torch.tensor([0, 5, 16, 17, 32, 299])  # rows rounded apart read the fault where the whole copy does
+    assert torch.equal(faulty.fault_rows(cheap.operand(x2[index], 1), index), faulty.input_operand(x2, 1)[index])
+    assert not torch.allclose(y, run(x, w, b, dy, cheap)[0])
+    # Recovery reads a correct copy.
+    unit.enter_recovery()
+    assert torch.equal(grads()[1], run(x, w, b, dy, GemmFormat("e4m3", "fp32"))[2])
+    unit.exit_recovery()
+
+    # The fidelity of the faulty copy: past its bound, the same measured on the cheap path and in recovery (the rows
+    # rounded apart read the fault where the whole copy does); without the fault, far under it.
+    unit.start_measuring()  # every row: the two measures read the same rows
+    grads()
+    on_cheap = unit.take_fidelity().item()
+    unit.enter_recovery()
+    grads()
+    in_recovery = unit.take_fidelity().item()
+    unit.exit_recovery()
+    unit.fault_scale = 1.0
+    grads()
+    clean = unit.take_fidelity().item()
+    assert on_cheap > 1.0 and in_recovery == pytest.approx(on_cheap, rel=1e-5) and clean < 0.2
+
+
+def test_a_fault_stride_must_be_a_positive_int():
+    _, unit = linear_unit()
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="fault_stride must be an int >= 1"):
+            unit.fault_stride = bad
+
+
 def test_eval_mode_runs_the_plain_matmul_unless_quantize_eval():
     x = operands()[0]
     for quantize_eval in (False, True):

@@ -8,6 +8,7 @@ itself is never written, so recovery holds nothing. Formats, scaling and error b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,11 @@ class GemmFormat:
 
     fmt: str
     scaling: str
+    # An injected fault (`benchmarks/fault_injection.py`; 1.0 = none): the input's copy reads `fault_scale` times its
+    # value on every `fault_stride`-th token, in the fprop and wgrad GEMMs, as a blown-up scale of those tokens' tiles
+    # would make it.
+    fault_scale: float = 1.0
+    fault_stride: int = 1
 
     def operand(self, t: torch.Tensor, contract: int, *, weight: bool = False) -> torch.Tensor:
         """2-D `t` as a GEMM multiplies it, float32: blocks run along dimension `contract` (0 rows, 1 columns) of t,
@@ -56,6 +62,23 @@ class GemmFormat:
         if weight:
             return quantize_blocks(t, self.fmt, (TILE, TILE))
         return quantize_blocks(t, self.fmt, (1, TILE) if contract else (TILE, 1))
+
+    def input_operand(self, x2: torch.Tensor, contract: int) -> torch.Tensor:
+        """`operand` of a Linear's input `x2` ([tokens, features]), with any injected fault."""
+        xq = self.operand(x2, contract)
+        if self.fault_scale != 1.0:
+            xq[:: self.fault_stride] *= self.fault_scale  # `operand` returns a fresh tensor
+        return xq
+
+    def fault_rows(self, rows_q: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        """`input_operand`'s fault on `rows_q`, the rounded rows `index` of an input (all rows when None), so that
+        rows rounded apart read what the whole copy reads there."""
+        if self.fault_scale == 1.0:
+            return rows_q
+        if index is None:
+            index = torch.arange(len(rows_q), device=rows_q.device)
+        hit = (index % self.fault_stride == 0).unsqueeze(-1)
+        return torch.where(hit, rows_q * self.fault_scale, rows_q)
 
 
 class BlockFPLinear(torch.autograd.Function):
@@ -75,7 +98,7 @@ class BlockFPLinear(torch.autograd.Function):
         probe: Any = None,
     ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        xq, wq = fmt.operand(x2, 1), fmt.operand(weight, 1, weight=True)
+        xq, wq = fmt.input_operand(x2, 1), fmt.operand(weight, 1, weight=True)
         out = xq @ wq.t()
         if bias is not None:
             out += bias
@@ -102,7 +125,7 @@ class BlockFPLinear(torch.autograd.Function):
                 grad_x = grad_x.reshape(x.shape).to(x.dtype)
             if ctx.needs_input_grad[1]:
                 x2 = x.reshape(-1, x.shape[-1])
-                grad_w = (fmt.operand(g2, 0).t() @ fmt.operand(x2, 0)).to(weight.dtype)
+                grad_w = (fmt.operand(g2, 0).t() @ fmt.input_operand(x2, 0)).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = g2.sum(0, dtype=torch.float32).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None
@@ -130,7 +153,7 @@ def _forward_probe(
     x_part = cache.get(x, key)
     if x_part is None:
         x_rows = take_rows(x2, rows)
-        xq_rows = take_rows(xq, rows) if cheap == fmt else cheap.operand(x_rows, 1)
+        xq_rows = take_rows(xq, rows) if cheap == fmt else cheap.fault_rows(cheap.operand(x_rows, 1), rows)
         x_part = pending_operand(x_rows, xq_rows)
         cache.put(x, key, x_part)
     w_part = unit.weight_part(weight, wq if cheap == fmt else None)
@@ -222,6 +245,26 @@ class BlockFPUnit(SwitchedUnit):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "formats": f"{self.low.fmt}/{self.high.fmt}", "scaling": self.low.scaling}
+
+    # An injected fault on the cheap path only (`GemmFormat.fault_scale`), set as on an act_quant unit: the recovery
+    # path and the weight's measure read correct copies; the input's measure reads the faulty one on both paths.
+    @property
+    def fault_scale(self) -> float:
+        return self.low.fault_scale
+
+    @fault_scale.setter
+    def fault_scale(self, value: float) -> None:
+        self.low = dataclasses.replace(self.low, fault_scale=float(value))
+
+    @property
+    def fault_stride(self) -> int:
+        return self.low.fault_stride
+
+    @fault_stride.setter
+    def fault_stride(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"block_fp unit {self.name!r}: fault_stride must be an int >= 1, got {value!r}")
+        self.low = dataclasses.replace(self.low, fault_stride=value)
 
     def weight_part(self, weight: torch.Tensor, cheap_wq: torch.Tensor | None) -> Any:
         """The fidelity part of the weight on the cheap path (`cheap_wq`: its cheap rounding where the forward has
