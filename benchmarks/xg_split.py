@@ -154,8 +154,8 @@ def summarize(symptoms: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(results: dict[str, dict[str, Any]]) -> str:
     lines = [
-        "| run | symptoms on linears | G (downstream) | X (upstream) | both | neither | median ||G|| / before | "
-        "median ||X|| / before | blamed on another unit by the cause policy: G / X / both / neither |",
+        "| run | symptoms on linears | G (downstream) | X (upstream) | both | neither | G norm / before, median | "
+        "X norm / before, median | blamed on another unit by the cause policy: G / X / both / neither |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for run, s in results.items():
