@@ -75,13 +75,33 @@ class NormRecorder(TrainerCallback):
 
         return hook
 
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        # The update RMS of each unit's signal tensors before this step's update: sqrt(mean(g^2 / v)), v AdamW's
+        # bias-corrected second moment of the steps before (SwitchBack's leading indicator: > 1 when the gradient
+        # outgrows what the optimizer expects). None until the optimizer has a second moment.
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self.rms = []
+        for unit in self.owner.units:
+            num, count = 0.0, 0
+            for p in unit.signal_tensors():
+                st = inner.state.get(p, {}) if inner is not None else {}
+                if p.grad is None or "exp_avg_sq" not in st:
+                    continue
+                beta2 = next(g["betas"][1] for g in inner.param_groups if any(q is p for q in g["params"]))
+                v = st["exp_avg_sq"] / (1 - beta2 ** float(st["step"]))
+                num += float((p.grad.float().square() / v.clamp_min(1e-16)).sum())
+                count += p.numel()
+            self.rms.append((num / count) ** 0.5 if count else None)
+
     def on_step_end(self, args, state, control, **kwargs):
         n = len(self.owner.units)
         row = {
             "step": state.global_step,
             "x": [float(self.x_sq[i]) ** 0.5 if i in self.x_sq else None for i in range(n)],
             "g": [float(self.g_sq[i]) ** 0.5 if i in self.g_sq else None for i in range(n)],
+            "u": getattr(self, "rms", [None] * n),
         }
+        self.rms = [None] * n
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         self.x_sq.clear()
@@ -136,6 +156,43 @@ def classify(trace: Path, norms: Path, window: int, factor: float) -> dict[str, 
     return {"symptoms": symptoms}
 
 
+def update_rms_lead(trace: Path, norms: Path, window: int, factor: float, lead: int = 3) -> dict[str, Any]:
+    """Whether a unit's update RMS rises before its symptoms: per linear unit-step, "elevated" when the update RMS is
+    at least `factor` times its median over the `window` steps before; for each symptom onset (a risky unit not risky
+    in the `window` steps before), whether it was elevated at the symptom's step and in the `lead` steps before, and
+    the same shares over every unit-step (what a rule firing on an elevated RMS would also catch)."""
+    _, records = read_trace(trace)
+    risky = {r["step"]: set(r["risky"]) for r in records if r["type"] == "step"}
+    rows = {r["step"]: r for r in map(json.loads, norms.read_text().splitlines())}
+    steps = sorted(rows)
+    units = [i for i, x in enumerate(rows[steps[-1]]["x"]) if x is not None]
+    elevated: dict[tuple[int, int], bool] = {}
+    for unit in units:
+        series = {s: rows[s]["u"][unit] for s in steps if rows[s].get("u") and rows[s]["u"][unit] is not None}
+        for s, value in series.items():
+            past = [series[k] for k in range(s - window, s) if k in series]
+            if len(past) >= window // 2:
+                elevated[unit, s] = value >= factor * statistics.median(past)
+    onsets = [
+        (unit, t)
+        for t, units_risky in risky.items()
+        for unit in units_risky
+        if unit in units and not any(unit in risky.get(k, ()) for k in range(t - window, t))
+    ]
+
+    def shares(pairs: list[tuple[int, int]]) -> dict[str, float | int]:
+        known = [(u, t) for u, t in pairs if all((u, k) in elevated for k in range(t - lead, t + 1))]
+        if not known:
+            return {"n": 0}
+        return {
+            "n": len(known),
+            "at_step": sum(elevated[u, t] for u, t in known) / len(known),
+            "before": sum(any(elevated[u, k] for k in range(t - lead, t)) for u, t in known) / len(known),
+        }
+
+    return {"onsets": shares(onsets), "every_unit_step": shares(list(elevated))}
+
+
 def summarize(symptoms: list[dict[str, Any]]) -> dict[str, Any]:
     classes = ("G", "X", "both", "neither")
     by_kind: dict[str, dict[str, int]] = {}
@@ -168,6 +225,19 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             if n
             else f"| {run} | 0 | - | - | - | - | - | - | - |"
         )
+    lines += [
+        "",
+        "| run | symptom onsets | update RMS elevated at the onset | in the 3 steps before | every unit-step: "
+        "elevated | in the 3 steps before |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for run, s in results.items():
+        on, every = s["update_rms"]["onsets"], s["update_rms"]["every_unit_step"]
+        if on["n"] and every["n"]:
+            lines.append(
+                f"| {run} | {on['n']} | {on['at_step']:.0%} | {on['before']:.0%} | {every['at_step']:.1%} | "
+                f"{every['before']:.1%} |"
+            )
     lines += ["", "| run | unit kind | G | X | both | neither |", "|---|---|---:|---:|---:|---:|"]
     for run, s in results.items():
         for kind, c in sorted(s["by_kind"].items()):
@@ -219,7 +289,10 @@ def main() -> None:
                     extra_callbacks=lambda owner, out=out: [NormRecorder(owner, out / NORMS_FILE)],
                 )
             found = classify(out / config.trace_file, out / NORMS_FILE, config.window, cli.factor)
-            results[f"{arm} seed {seed}"] = summarize(found["symptoms"]) | {"symptoms": found["symptoms"]}
+            rms = update_rms_lead(out / config.trace_file, out / NORMS_FILE, config.window, cli.factor)
+            results[f"{arm} seed {seed}"] = (
+                summarize(found["symptoms"]) | {"update_rms": rms} | {"symptoms": found["symptoms"]}
+            )
     (root / "xg_split.json").write_text(json.dumps(results, indent=1))
     text = table(results)
     (root / "xg_split.md").write_text(text + "\n")
