@@ -73,3 +73,39 @@ def test_each_symptom_is_classed_by_which_norm_moved_against_its_recent_median(t
     assert summary["total"] == {"G": 1, "X": 1, "both": 1, "neither": 1}
     assert summary["blamed"] == {"G": 1, "X": 0, "both": 0, "neither": 0}
     assert summary["by_kind"]["q_proj"] == {"G": 1, "X": 0, "both": 0, "neither": 1}
+
+
+def test_update_rms_is_elevated_before_an_onset_only_where_it_rose_in_the_steps_before(tmp_path):
+    # Unit 1's update RMS is 1 at every step but 3 at step 12; its only symptom onset is step 14 (risky again at 15:
+    # not an onset). So the onset had an elevated RMS in the 3 steps before, not at its own step; over every unit-step
+    # with 8 steps of history known (steps 8-20: 13), one is elevated and 3 follow it.
+    norms = {k: ([None, 1.0], [None, 1.0]) for k in range(1, 21)}
+    u = {k: [None, 3.0 if k == 12 else 1.0] for k in range(1, 21)}
+    trace, path = write_run(tmp_path, norms, [{"step": 14, "risky": [1]}, {"step": 15, "risky": [1]}])
+    path.write_text("".join(json.dumps({"step": k, "x": x, "g": g, "u": u[k]}) + "\n" for k, (x, g) in norms.items()))
+    found = xg_split.update_rms_lead(trace, path, window=8, factor=2.0, lead=3)
+    assert found["onsets"] == {"n": 1, "at_step": 0.0, "before": 1.0}
+    assert found["every_unit_step"] == {"n": 13, "at_step": pytest.approx(1 / 13), "before": pytest.approx(3 / 13)}
+
+
+def test_the_recorder_takes_the_update_rms_from_adamws_second_moment_before_the_step(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    (unit,) = find_units(model, "act_quant", low_bits=8, high_bits=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    recorder = xg_split.NormRecorder(SimpleNamespace(units=[unit]), tmp_path / "norms.jsonl")
+    recorder.on_train_begin(None, None, None)
+    rms = []
+    for step in (1, 2):
+        model.zero_grad()
+        model(torch.randn(5, 8) * step).sum().backward()
+        recorder.on_pre_optimizer_step(None, None, None, optimizer=optimizer)
+        rms.append(recorder.rms[0])
+        if step == 2:  # by hand, from the second moment the first step left
+            p = model[0].weight
+            state = optimizer.state[p]
+            v = state["exp_avg_sq"] / (1 - 0.95 ** state["step"].item())
+            expected = (p.grad.square() / v).mean().sqrt().item()
+        optimizer.step()
+    assert rms[0] is None  # no second moment yet
+    assert rms[1] == pytest.approx(expected, rel=1e-5)
