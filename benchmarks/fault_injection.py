@@ -29,7 +29,6 @@ validation loss. Writes `<output_dir>/fault_results.md` and `fault_results.json`
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import random
@@ -38,10 +37,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainerCallback
 
 from gnmr_hf import GNMRConfig
-from gnmr_hf.experiments.pretrain import PretrainArguments, load_corpus, run_arm, training_arguments
+from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
 from gnmr_hf.trace import read_trace
 
 ARMS = ("clean", "static_low", "gnmr", "global_z", "gnmr_cause")
@@ -105,13 +104,7 @@ def detection(schedule: list[tuple[int, int]], trace: Path, duration: int, lock_
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    parser.add_argument("--preset", default="probe")
-    parser.add_argument("--max_steps", type=int, default=None)
-    parser.add_argument("--learning_rate", type=float, default=None)
+    parser = benchmark_parser(__doc__.split("\n\n")[0], ARMS)
     parser.add_argument("--faults", type=int, default=6)
     parser.add_argument("--duration", type=int, default=4)
     parser.add_argument("--factor", type=float, default=30.0)
@@ -131,13 +124,7 @@ def main() -> None:
             parser.error(f"--{name} is an option of the other backend, not of --backend {cli.backend}")
 
     root = Path(cli.output_dir)
-    given = {"output_dir"} | {k for k in ("max_steps", "learning_rate") if getattr(cli, k) is not None}
-    base = TrainingArguments(
-        output_dir=str(root),
-        **{k: getattr(cli, k) for k in ("max_steps", "learning_rate") if getattr(cli, k) is not None},
-    )
-    args = training_arguments(base, cli.preset, given)
-    pretrain = PretrainArguments(preset=cli.preset, arms=["static_low"])
+    args, pretrain = benchmark_arguments(cli)
     if cli.backend == "act_quant":
         options = {"low_bits": cli.low_bits, "high_bits": cli.high_bits, "scaling": "row"}
     else:

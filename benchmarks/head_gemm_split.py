@@ -14,18 +14,17 @@ Transformer Engine's AutoswitchGemm switches one GEMM) would recover it for a th
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainerCallback
 
 from gnmr_hf import GNMRConfig
 from gnmr_hf.backends.block_fp import GemmFormat
-from gnmr_hf.experiments.pretrain import PretrainArguments, load_corpus, run_arm, training_arguments
+from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
 
 ARMS = ("all_low", "head_high", "head_grad_high", "head_fwd_high")
 
@@ -100,25 +99,13 @@ def check_operand_routing(low: GemmFormat, high: GemmFormat) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    parser.add_argument("--preset", default="probe")
-    parser.add_argument("--max_steps", type=int, default=None)
-    parser.add_argument("--learning_rate", type=float, default=None)
+    parser = benchmark_parser(__doc__.split("\n\n")[0], ARMS)
     cli = parser.parse_args()
 
     low, high = GemmFormat("e2m1", "fp32"), GemmFormat("e4m3", "fp32")
     check_operand_routing(low, high)
     root = Path(cli.output_dir)
-    given = {"output_dir"} | {k for k in ("max_steps", "learning_rate") if getattr(cli, k) is not None}
-    base = TrainingArguments(
-        output_dir=str(root),
-        **{k: getattr(cli, k) for k in ("max_steps", "learning_rate") if getattr(cli, k) is not None},
-    )
-    args = training_arguments(base, cli.preset, given)
-    pretrain = PretrainArguments(preset=cli.preset, arms=["static_low"])
+    args, pretrain = benchmark_arguments(cli)
     config = GNMRConfig(
         backend="block_fp",
         backend_options={"low_format": low.fmt, "high_format": high.fmt, "quantize_lm_head": True},

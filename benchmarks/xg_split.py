@@ -21,7 +21,6 @@ analysis, not something the policy runs.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -29,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainerCallback
 
 from gnmr_hf import GNMRConfig
-from gnmr_hf.experiments.pretrain import PretrainArguments, load_corpus, run_arm, training_arguments
+from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
 from gnmr_hf.trace import read_trace
 
 ARMS = ("gnmr", "gnmr_cause")
@@ -246,13 +245,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    parser.add_argument("--preset", default="probe")
-    parser.add_argument("--max_steps", type=int, default=None)
-    parser.add_argument("--learning_rate", type=float, default=None)
+    parser = benchmark_parser(__doc__.split("\n\n")[0], ARMS)
     parser.add_argument("--factor", type=float, default=2.0, help="how far a norm must move to count as moved")
     parser.add_argument("--analyze_only", action="store_true", help="only redo the tables from recorded runs")
     cli = parser.parse_args()
@@ -260,13 +253,7 @@ def main() -> None:
         parser.error(f"--factor must be > 1, got {cli.factor}")
 
     root = Path(cli.output_dir)
-    given = {"output_dir"} | {k for k in ("max_steps", "learning_rate") if getattr(cli, k) is not None}
-    base = TrainingArguments(
-        output_dir=str(root),
-        **{k: getattr(cli, k) for k in ("max_steps", "learning_rate") if getattr(cli, k) is not None},
-    )
-    args = training_arguments(base, cli.preset, given)
-    pretrain = PretrainArguments(preset=cli.preset, arms=["static_low"])
+    args, pretrain = benchmark_arguments(cli)
     config = GNMRConfig(
         backend="act_quant",
         backend_options={"kinds": ["linear", "attention"], "low_bits": 4, "high_bits": 8},

@@ -31,6 +31,7 @@ same code path, and differ only in precision policy. This module provides exactl
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -71,6 +72,8 @@ __all__ = [
     "SavedTensorMeter",
     "StepMeter",
     "arm_callbacks",
+    "benchmark_arguments",
+    "benchmark_parser",
     "block_dataset",
     "build_model",
     "gnmr_budget",
@@ -380,6 +383,28 @@ def training_arguments(base: TrainingArguments, preset: str, given: Iterable[str
     given = set(given)
     values = {**_TRAINING_FIXED, **PRESETS[preset]["training"]}
     return dataclasses.replace(base, **{k: v for k, v in values.items() if k not in given})
+
+
+def benchmark_parser(description: str, arms: Sequence[str]) -> argparse.ArgumentParser:
+    """The flags of a benchmark that trains arms of its own (`benchmarks/fault_injection.py`, `xg_split.py`,
+    `head_gemm_split.py`): where, which seeds and arms, the preset, and the preset's steps and learning rate."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--arms", nargs="+", default=list(arms), choices=arms)
+    parser.add_argument("--preset", default="probe", choices=sorted(PRESETS))
+    parser.add_argument("--max_steps", type=int, default=None)
+    parser.add_argument("--learning_rate", type=float, default=None)
+    return parser
+
+
+def benchmark_arguments(cli: argparse.Namespace) -> tuple[TrainingArguments, PretrainArguments]:
+    """The `TrainingArguments` (the preset's, with `--max_steps` and `--learning_rate` where given) and the
+    `PretrainArguments` (the preset's model and corpus) of `benchmark_parser`'s flags."""
+    given = {k: getattr(cli, k) for k in ("max_steps", "learning_rate") if getattr(cli, k) is not None}
+    base = TrainingArguments(output_dir=cli.output_dir, **given)
+    args = training_arguments(base, cli.preset, {"output_dir", *given})
+    return args, PretrainArguments(preset=cli.preset, arms=["static_low"])
 
 
 # -------------------------------------------------------------------------------------------- measurement
