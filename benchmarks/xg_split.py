@@ -47,6 +47,7 @@ class NormRecorder(TrainerCallback):
         self.handles: list[Any] = []
         self.x_sq: dict[int, torch.Tensor] = {}
         self.g_sq: dict[int, torch.Tensor] = {}
+        self.rms: list[float | None] = []  # per unit, set before each optimizer step
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.path.write_text("")
@@ -98,9 +99,9 @@ class NormRecorder(TrainerCallback):
             "step": state.global_step,
             "x": [float(self.x_sq[i]) ** 0.5 if i in self.x_sq else None for i in range(n)],
             "g": [float(self.g_sq[i]) ** 0.5 if i in self.g_sq else None for i in range(n)],
-            "u": getattr(self, "rms", [None] * n),
+            "u": self.rms or [None] * n,
         }
-        self.rms = [None] * n
+        self.rms = []
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         self.x_sq.clear()
