@@ -33,7 +33,6 @@ import dataclasses
 import json
 import random
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -110,18 +109,22 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=30.0)
     parser.add_argument("--stride", type=int, default=16)
     parser.add_argument("--backend", default="act_quant", choices=("act_quant", "block_fp"))
-    parser.add_argument("--low_bits", type=int, default=4, help="act_quant: bits of the cheap path's saved inputs")
-    parser.add_argument("--high_bits", type=int, default=8, help="act_quant: bits of the recovery path's")
-    parser.add_argument("--low_format", default="e3m2", help="block_fp: the cheap path's element format")
-    parser.add_argument("--high_format", default="e4m3", help="block_fp: the recovery path's")
-    cli = parser.parse_args()
-    given_options = {
-        "act_quant": ("low_bits", "high_bits"),
-        "block_fp": ("low_format", "high_format"),
+    # Each backend's options, with their defaults; None on the command line: not given.
+    defaults = {
+        "act_quant": {"low_bits": 4, "high_bits": 8},
+        "block_fp": {"low_format": "e3m2", "high_format": "e4m3"},
     }
-    for name in given_options["block_fp" if cli.backend == "act_quant" else "act_quant"]:
-        if f"--{name}" in sys.argv[1:]:
-            parser.error(f"--{name} is an option of the other backend, not of --backend {cli.backend}")
+    parser.add_argument("--low_bits", type=int, help="act_quant: bits of the cheap path's saved inputs (4)")
+    parser.add_argument("--high_bits", type=int, help="act_quant: bits of the recovery path's (8)")
+    parser.add_argument("--low_format", help="block_fp: the cheap path's element format (e3m2)")
+    parser.add_argument("--high_format", help="block_fp: the recovery path's (e4m3)")
+    cli = parser.parse_args()
+    for backend, options in defaults.items():
+        for name, default in options.items():
+            if backend != cli.backend and getattr(cli, name) is not None:
+                parser.error(f"--{name} is an option of --backend {backend}, not of --backend {cli.backend}")
+            if getattr(cli, name) is None:
+                setattr(cli, name, default)
 
     root = Path(cli.output_dir)
     args, pretrain = benchmark_arguments(cli)
