@@ -7,9 +7,10 @@ Reads what `recipes/pretrain_actquant.py` wrote under the folder and prints, in 
 
 1. the results table (`gnmr_hf.experiments.pretrain.results_table`) and, with `--plot`, the loss curves;
 2. GNMR against the oracle (`gnmr_hf.experiments.oracle.oracle_agreement`), per seed of every arm that probed
-it, with k its
-   `max_active`: precision@k of GNMR's risk ranking and of random rankings, precision of the set it recovered,
-   Spearman correlation of risk and gap beside random scores; and the units with the largest mean gap;
+   it, with k its `max_active`: precision@k of GNMR's risk ranking and of random rankings, precision of the set it
+   recovered, Spearman correlation of risk and gap beside random scores; and the units with the largest mean gap;
+   the same against the counterfactual oracle (recovery benefits) for the runs that probed it
+   (`--oracle_benefits`);
 3. re-entry intervals from the traces of the gnmr arms: for every unit, the steps it spent on the cheap path
    between leaving recovery and being selected again. A re-entry within `lock_steps` of leaving is a *relapse* (the
    relapse-aware lock doubles the lock there); the table gives entries, relapses, the median interval, and the
@@ -44,6 +45,23 @@ def reentries(trace: Path) -> tuple[list[str], list[tuple[int, int]], int, int]:
     return header["units"], intervals, entries, header["config"]["lock_steps"]
 
 
+def agreement_row(path: Path, names: list[str], records: list[dict], oracle: str) -> str:
+    """One markdown row: the agreement of the run at `path` with `oracle`, and the units it ranks first on mean."""
+    arm, seed = path.parts[-3], path.parts[-2]
+    k = read_trace(path.parent / "gnmr_trace.jsonl")[0]["config"]["max_active"]
+    agreement = oracle_agreement(records, k, oracle=oracle)
+    finite = [r[oracle] for r in records if all(v == v for v in r[oracle])]
+    means = [sum(values[i] for values in finite) / len(finite) if finite else float("nan") for i in range(len(names))]
+    top = sorted(range(len(names)), key=lambda i: -means[i])[:4]
+    largest = ", ".join(f"{names[i].replace('model.layers.', 'L')} {means[i]:.2g}" for i in top)
+    return (
+        f"| {arm} | {seed} | {agreement['probes']} | {agreement['precision_at_k']:.2f} | "
+        f"{agreement['random_precision_at_k']:.2f} | {agreement['recovered_set_precision']:.2f} "
+        f"({agreement['probes_with_recovered_units']}) | {agreement['spearman']:.2f} | "
+        f"{agreement['random_spearman']:.2f} | {largest} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("root", type=Path)
@@ -55,26 +73,21 @@ def main() -> None:
     if cli.plot:
         plot_loss_curves(results, cli.plot, title=cli.title)
 
-    print(
-        "| arm | seed | probes | precision@k GNMR | precision@k random | recovered-set precision | Spearman GNMR "
-        "| Spearman random | largest mean gaps |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for path in sorted(cli.root.glob("*/seed*/oracle.jsonl")):
-        arm, seed = path.parts[-3], path.parts[-2]
-        k = read_trace(path.parent / "gnmr_trace.jsonl")[0]["config"]["max_active"]
-        names, records = read_oracle(path)
-        agreement = oracle_agreement(records, k)
-        gaps = [sum(r["gaps"][i] for r in records) / len(records) for i in range(len(names))]
-        top = sorted(range(len(names)), key=lambda i: -gaps[i])[:4]
-        largest = ", ".join(f"{names[i].replace('model.layers.', 'L')} {gaps[i]:.2g}" for i in top)
+    paths = sorted(cli.root.glob("*/seed*/oracle.jsonl"))
+    for oracle, title in (("gaps", "largest mean gaps"), ("benefits", "largest mean benefits")):
+        probed = [(path, *read_oracle(path)) for path in paths]
+        probed = [(path, names, records) for path, names, records in probed if records and oracle in records[0]]
+        if oracle == "benefits" and not probed:
+            continue
+        print(f"Oracle: {oracle}\n")
         print(
-            f"| {arm} | {seed} | {agreement['probes']} | {agreement['precision_at_k']:.2f} | "
-            f"{agreement['random_precision_at_k']:.2f} | {agreement['recovered_set_precision']:.2f} "
-            f"({agreement['probes_with_recovered_units']}) | {agreement['spearman']:.2f} | "
-            f"{agreement['random_spearman']:.2f} | {largest} |"
+            "| arm | seed | probes | precision@k GNMR | precision@k random | recovered-set precision | Spearman GNMR "
+            f"| Spearman random | {title} |"
         )
-    print()
+        print("|---|---|---|---|---|---|---|---|---|")
+        for path, names, records in probed:
+            print(agreement_row(path, names, records, oracle))
+        print()
 
     print("| arm | seed | entries | re-entries | relapses (<= lock_steps) | median interval | most relapsing units |")
     print("|---|---|---|---|---|---|---|")

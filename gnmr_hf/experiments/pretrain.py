@@ -196,6 +196,13 @@ class PretrainArguments:
         default=0,
         metadata={"help": "Oracle probe every k steps in the gnmr arms (0: none); see gnmr_hf.experiments.oracle."},
     )
+    oracle_benefits: bool = field(
+        default=False,
+        metadata={
+            "help": "With --oracle_every: also probe each unit's recovery benefit, the counterfactual oracle "
+            "(N + 2 passes per probe instead of 2; gnmr_hf.experiments.oracle.recovery_benefits)."
+        },
+    )
     plot: bool = field(default=True, metadata={"help": "Write loss_curves.png beside results.md."})
 
     def __post_init__(self) -> None:
@@ -221,6 +228,8 @@ class PretrainArguments:
             raise ValueError(f"PretrainArguments.d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
         if self.oracle_every < 0:
             raise ValueError(f"PretrainArguments.oracle_every must be >= 0, got {self.oracle_every}")
+        if self.oracle_benefits and not self.oracle_every:
+            raise ValueError("PretrainArguments.oracle_benefits needs --oracle_every K > 0 (the probes it adds to)")
         if "carve_named" in self.arms and not self.carve_named:
             raise ValueError("arm carve_named needs --carve_named REGEX ... (the units it keeps on the recovery path)")
 
@@ -558,7 +567,9 @@ def run_arm(
     )
     owner = next((cb for cb in callbacks if isinstance(cb, GNMRCallback)), None)
     if owner is not None and pretrain.oracle_every and arm.startswith("gnmr"):
-        callbacks.append(OracleCallback(owner, train, batch, every=pretrain.oracle_every))
+        callbacks.append(
+            OracleCallback(owner, train, batch, every=pretrain.oracle_every, benefits=pretrain.oracle_benefits)
+        )
     meter = StepMeter()
     callbacks += [*(extra_callbacks(owner) if extra_callbacks is not None else ()), meter]
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=validation, callbacks=callbacks)
