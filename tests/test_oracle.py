@@ -1,15 +1,16 @@
-"""The recovery oracle: gaps on a toy model whose answer is known, and the agreement statistics."""
+"""The recovery oracle: gaps and benefits on toy models whose answer is known, and the agreement statistics."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
 from gnmr_hf import find_units
-from gnmr_hf.experiments.oracle import oracle_agreement, recovery_gaps, spearman
+from gnmr_hf.experiments.oracle import oracle_agreement, recovery_benefits, recovery_gaps, spearman
 
 
 class Toy(nn.Module):
@@ -56,17 +57,90 @@ def test_the_gap_is_the_norm_of_the_weight_gradient_difference():
     assert math.isclose(gaps[1].item(), (low - high).norm().item(), rel_tol=1e-5)
 
 
-def test_probing_leaves_paths_gradients_and_the_ledger_peak_as_they_were():
+@pytest.mark.parametrize("probe", [recovery_gaps, recovery_benefits])
+def test_probing_leaves_paths_gradients_measuring_and_the_ledger_peak_as_they_were(probe):
     model = Toy()
     units = find_units(model, "act_quant", low_bits=2, high_bits=8)
     units[1].enter_recovery()
+    units[0].start_measuring(0)
     model(**toy_batch()).loss.backward()
+    units[0].take_measurements()
     grads = [p.grad.clone() for p in model.parameters()]
     peak = units[0].ledger.peak_bytes
-    recovery_gaps(model, units, toy_batch())
+    probe(model, units, toy_batch())
     assert [u.in_recovery for u in units] == [False, True]
+    assert [u.measure_fidelity for u in units] == [True, False]
+    assert units[0].take_measurements() == []  # the probe's passes measured nothing
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     assert units[0].ledger.peak_bytes == peak
+
+
+def whole_gradient(model, batch):
+    params = list(model.parameters())
+    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(model(**batch).loss, params)]).double()
+
+
+def test_the_benefit_is_how_much_recovering_the_unit_alone_brings_the_whole_gradient_to_the_recovery_paths():
+    torch.manual_seed(0)
+    model = Toy()
+    units = find_units(model, "act_quant", low_bits=2, high_bits=16)
+    batch = toy_batch()
+    benefits = recovery_benefits(model, units, batch)
+    low = whole_gradient(model, batch)
+    for unit in units:
+        unit.enter_recovery()
+    high = whole_gradient(model, batch)
+    units[0].exit_recovery()
+    only_lossy = whole_gradient(model, batch)
+    base = (low - high).norm().item()
+    assert base > 1e-2
+    # `exact` loses nothing on its cheap path: recovering it alone changes nothing. `lossy` is the only loss:
+    # recovering it alone gives the recovery path's gradient.
+    assert benefits[0].item() == 0.0
+    assert math.isclose(benefits[1].item(), base - (only_lossy - high).norm().item(), rel_tol=1e-9)
+    assert math.isclose(benefits[1].item(), base, rel_tol=1e-6)
+    assert [u.in_recovery for u in units] == [False, True]
+
+
+class Chain(nn.Module):
+    """x -> a -> tanh -> b: a corrupted output of `b` corrupts the gradient `a` receives (`a` shows a gap it does
+    not cause)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 1)
+
+    def forward(self, x, labels):
+        pred = self.b(torch.tanh(self.a(x))).squeeze(-1)
+        return type("Out", (), {"loss": ((pred - labels) ** 2).mean()})()
+
+
+def test_the_benefit_goes_to_the_cause_of_a_corrupted_gradient_not_to_where_it_shows():
+    torch.manual_seed(0)
+    model = Chain()
+    batch = {"x": 4 * torch.randn(64, 32), "labels": torch.randn(64)}
+    units = find_units(model, "block_fp", low_format="e4m3", high_format="bf16")
+    units[1].fault_scale = 30.0  # b's input copy is 30 times its value: b's output, and every gradient, corrupted
+    gaps = recovery_gaps(model, units, batch)
+    benefits = recovery_benefits(model, units, batch)
+    # a's own cheap path (e4m3) is close to exact, but its gradient is far from the recovery path's: the gap shows
+    # the damage b does. Recovering a alone leaves almost all of it; recovering b alone removes almost all of it.
+    assert gaps[0] > 10 and gaps[0] > 0.02 * gaps[1]
+    assert benefits[0] < 0.01 * benefits[1]
+    assert benefits[1] > 0.99 * recovery_base_distance(model, units, batch)
+
+
+def recovery_base_distance(model, units, batch):
+    for unit in units:
+        unit.exit_recovery()
+    low = whole_gradient(model, batch)
+    for unit in units:
+        unit.enter_recovery()
+    high = whole_gradient(model, batch)
+    for unit in units:
+        unit.exit_recovery()
+    return (low - high).norm().item()
 
 
 def record(gaps, risk, active=(), scored=True):
@@ -82,6 +156,17 @@ def test_agreement_is_perfect_for_the_oracle_itself_and_none_for_its_reverse():
     assert reverse["precision_at_k"] == 0.0 and reverse["recovered_set_precision"] == 0.0
     # Random selection's precision@k is k / N in expectation.
     assert abs(same["random_precision_at_k"] - 0.2) < 0.05 and abs(same["random_spearman"]) < 0.2
+
+
+def test_agreement_ranks_by_the_oracle_asked_for_and_refuses_records_without_it():
+    gaps, benefits = np.arange(6.0), -np.arange(6.0)
+    records = [{**record(gaps, benefits), "benefits": list(benefits)}]
+    assert oracle_agreement(records, k=2)["precision_at_k"] == 0.0
+    assert oracle_agreement(records, k=2, oracle="benefits")["precision_at_k"] == 1.0
+    with pytest.raises(ValueError, match="1 of 1 records have no 'benefits'"):
+        oracle_agreement([record(gaps, gaps)], k=2, oracle="benefits")
+    with pytest.raises(ValueError, match="oracle must be one of"):
+        oracle_agreement(records, k=2, oracle="gap")
 
 
 def test_probes_without_scores_are_left_out():

@@ -143,14 +143,17 @@ def test_the_tiny_preset_runs_end_to_end(tmp_path, text_dir, one_thread):
         [
             *("--preset", "tiny", "--output_dir", str(out), "--corpus", str(text_dir)),
             *("--arms", "static_low", "gnmr", "random", "--max_steps", "6", "--eval_steps", "3"),
-            *("--oracle_every", "3", "--trace_top_k", "64", "--backend_options", "kinds=linear;attention"),
+            *("--oracle_every", "3", "--oracle_benefits", "true", "--trace_top_k", "64"),
+            *("--backend_options", "kinds=linear;attention"),
         ]
     )
     assert [r["arm"] for r in results] == ["static_low", "gnmr", "random"]
     assert all(r["final_eval_loss"] < 5.6 for r in results)  # below ln(256): it learned something
     gnmr = json.loads((out / "gnmr" / "seed0" / "result.json").read_text())
     assert gnmr["units"] == 2 * (1 + 7) and gnmr["saved_bytes_per_step"] > 0
-    assert len((out / "gnmr" / "seed0" / "oracle.jsonl").read_text().splitlines()) == 1 + 2
+    probes = (out / "gnmr" / "seed0" / "oracle.jsonl").read_text().splitlines()[1:]
+    assert len(probes) == 2
+    assert all(len(json.loads(line)["benefits"]) == gnmr["units"] for line in probes)
     table = (out / "results.md").read_text()
     assert table.count("\n") == 2 + 3 and (out / "loss_curves.png").is_file()
 
@@ -177,6 +180,7 @@ def test_the_default_arms_are_those_the_other_flags_allow():
         (("--arms", "carve_named"), "arm carve_named needs --carve_named"),
         (("--arms", "random"), "arm random takes GNMR's budget: put gnmr before it"),
         (("--arms", "gnmr", "carve_best"), "arm carve_best needs --oracle_every K > 0"),
+        (("--oracle_benefits", "true"), "oracle_benefits needs --oracle_every K > 0"),
         (("--arms", "carve_named", "--carve_named", "self_attn$"), "--carve_named self_attn$ matches no unit"),
     ],
 )
