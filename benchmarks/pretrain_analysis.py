@@ -8,7 +8,8 @@ Reads what `recipes/pretrain_actquant.py` wrote under the folder and prints, in 
 1. the results table (`gnmr_hf.experiments.pretrain.results_table`) and, with `--plot`, the loss curves;
 2. GNMR against the oracle (`gnmr_hf.experiments.oracle.oracle_agreement`), per seed of every arm that probed
    it, with k its `max_active`: precision@k of GNMR's risk ranking and of random rankings, precision of the set it
-   recovered, Spearman correlation of risk and gap beside random scores; and the units with the largest mean gap;
+   recovered and the share of the oracle's k largest values it holds, Spearman correlation of risk and gap beside
+   random scores; and the units with the largest mean gap;
    the same against the counterfactual oracle (recovery benefits) for the runs that probed it
    (`--oracle_benefits`);
 3. re-entry intervals from the traces of the gnmr arms: for every unit, the steps it spent on the cheap path
@@ -57,7 +58,8 @@ def agreement_row(path: Path, names: list[str], records: list[dict], oracle: str
     return (
         f"| {arm} | {seed} | {agreement['probes']} | {agreement['precision_at_k']:.2f} | "
         f"{agreement['random_precision_at_k']:.2f} | {agreement['recovered_set_precision']:.2f} "
-        f"({agreement['probes_with_recovered_units']}) | {agreement['spearman']:.2f} | "
+        f"({agreement['probes_with_recovered_units']}) | {agreement['recovered_share']:.2f} | "
+        f"{agreement['spearman']:.2f} | "
         f"{agreement['random_spearman']:.2f} | {largest} |"
     )
 
@@ -81,10 +83,10 @@ def main() -> None:
             continue
         print(f"Oracle: {oracle}\n")
         print(
-            "| arm | seed | probes | precision@k GNMR | precision@k random | recovered-set precision | Spearman GNMR "
-            f"| Spearman random | {title} |"
+            "| arm | seed | probes | precision@k GNMR | precision@k random | recovered-set precision "
+            f"| recovered share | Spearman GNMR | Spearman random | {title} |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for path, names, records in probed:
             print(agreement_row(path, names, records, oracle))
         print()

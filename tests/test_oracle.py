@@ -152,6 +152,9 @@ def test_agreement_is_perfect_for_the_oracle_itself_and_none_for_its_reverse():
     same = oracle_agreement([record(gaps, gaps, active=[9, 8])], k=2)
     reverse = oracle_agreement([record(gaps, -gaps, active=[0])], k=2)
     assert same["precision_at_k"] == 1.0 and same["recovered_set_precision"] == 1.0
+    assert same["recovered_share"] == 1.0 and reverse["recovered_share"] == 0.0
+    # One of the two largest (9 of 9 + 8) recovered: its share of their sum.
+    assert math.isclose(oracle_agreement([record(gaps, gaps, active=[8])], k=2)["recovered_share"], 8 / 17)
     assert math.isclose(same["spearman"], 1.0) and math.isclose(reverse["spearman"], -1.0)
     assert reverse["precision_at_k"] == 0.0 and reverse["recovered_set_precision"] == 0.0
     # Random selection's precision@k is k / N in expectation.

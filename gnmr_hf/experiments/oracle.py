@@ -277,7 +277,9 @@ def oracle_agreement(
     records probed with `benefits=True`). Only probes where GNMR had scores and every value is finite count.
     Returns the number of probes used, mean precision@k of GNMR's risk ranking and of random rankings (simulated
     with `samples` draws per probe; its expectation is k / N), mean precision of the recovered set where non-empty,
-    and mean Spearman correlation of GNMR's risk and of random scores with the oracle's values.
+    the mean share of the oracle's k largest values that the recovered set holds (`recovered_share`: the sum of
+    its units' values over that of the k largest; with benefits, what the set gains of the best k units' gain, to
+    first order), and mean Spearman correlation of GNMR's risk and of random scores with the oracle's values.
     """
     if oracle not in ORACLES:
         raise ValueError(f"oracle_agreement: oracle must be one of {list(ORACLES)}, got {oracle!r}")
@@ -289,6 +291,7 @@ def oracle_agreement(
         )
     rng = np.random.default_rng(seed)
     precision, active_precision, rho, random_precision, random_rho = [], [], [], [], []
+    active_share: list[float] = []
     for record in records:
         gaps = np.asarray(record[oracle], dtype=float)
         risk = np.asarray(record["risk"], dtype=float)
@@ -300,6 +303,8 @@ def oracle_agreement(
         rho.append(spearman(risk, gaps))
         if record["active"]:
             active_precision.append(len(set(record["active"]) & top) / len(record["active"]))
+            best = gaps[sorted(top)].sum()
+            active_share.append(float(gaps[record["active"]].sum() / best) if best > 0 else float("nan"))
         draws = rng.random((samples, n))
         random_precision.append(float(np.mean([len(_top(d, k) & top) / k for d in draws])))
         random_rho.append(float(np.nanmean([spearman(d, gaps) for d in draws[:20]])))
@@ -315,6 +320,7 @@ def oracle_agreement(
         "random_precision_at_k": mean(random_precision),
         "recovered_set_precision": mean(active_precision),
         "probes_with_recovered_units": len(active_precision),
+        "recovered_share": mean(active_share),
         "spearman": mean(rho),
         "random_spearman": mean(random_rho),
     }
