@@ -102,6 +102,28 @@ def test_the_benefit_is_how_much_recovering_the_unit_alone_brings_the_whole_grad
     assert [u.in_recovery for u in units] == [False, True]
 
 
+def test_a_tensor_several_units_read_counts_once_in_the_whole_gradient():
+    # An act_quant attention unit's signal is its q, k and v projections' weights, which are those units' own.
+    from gnmr_hf.experiments.pretrain import build_model, llama_config
+
+    model = build_model(llama_config(d_model=32, n_layers=1, n_heads=2, seq_len=16), seed=0)
+    units = find_units(model, "act_quant", kinds=["linear", "attention"], low_bits=2, high_bits=8)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    attention = next(i for i, u in enumerate(units) if u.kind == "attention")
+    benefits = recovery_benefits(model, units, batch)
+    low = whole_gradient(model, batch)
+    for unit in units:
+        unit.enter_recovery()
+    high = whole_gradient(model, batch)
+    for i, unit in enumerate(units):
+        if i != attention:
+            unit.exit_recovery()
+    only_attention = whole_gradient(model, batch)
+    expected = (low - high).norm() - (only_attention - high).norm()
+    assert math.isclose(benefits[attention].item(), expected.item(), rel_tol=1e-6)
+
+
 class Chain(nn.Module):
     """x -> a -> tanh -> b: a corrupted output of `b` corrupts the gradient `a` receives (`a` shows a gap it does
     not cause)."""

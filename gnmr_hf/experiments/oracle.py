@@ -122,10 +122,14 @@ def _probe(
             owners.append(i)
             tensors.append(t)
     n_signal = len(tensors)
+    # The whole gradient: every trainable parameter and every signal tensor that is not one, each once (units may
+    # share a tensor: an attention unit's signal is its q, k and v projections' weights), at its first position.
+    first: dict[int, int] = {}
+    for position, t in enumerate(tensors):
+        first.setdefault(id(t), position)
     if benefits:
-        # The whole gradient: every trainable parameter, and the signal tensors that are not parameters.
-        seen = {id(t) for t in tensors}
-        tensors += [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
+        tensors += [p for p in model.parameters() if p.requires_grad and id(p) not in first]
+    whole = sorted(first.values()) + list(range(n_signal, len(tensors)))
     n = len(units)
     benefit = torch.full((n,), torch.nan, dtype=torch.float64)
     with _probing(units):
@@ -134,11 +138,12 @@ def _probe(
         _set_paths(units, [True] * n)
         high = _gradients(model, batch, tensors)
         if benefits:
-            flat_high = _flat(high, tensors)
-            base = torch.linalg.vector_norm(_flat(low, tensors) - flat_high)
+            flat_high = _flat(high, tensors, whole)
+            base = torch.linalg.vector_norm(_flat(low, tensors, whole) - flat_high)
             for i in range(n):
                 _set_paths(units, [j == i for j in range(n)])
-                distance = torch.linalg.vector_norm(_flat(_gradients(model, batch, tensors), tensors) - flat_high)
+                grads = _gradients(model, batch, tensors)
+                distance = torch.linalg.vector_norm(_flat(grads, tensors, whole) - flat_high)
                 benefit[i] = base - distance
             benefit = torch.where(benefit.isfinite(), benefit, torch.nan)
     squares = torch.zeros(n, dtype=torch.float64)
@@ -150,9 +155,10 @@ def _probe(
     return torch.where(measured, squares.sqrt(), torch.nan), benefit
 
 
-def _flat(grads: Sequence[torch.Tensor | None], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The gradients as one float64 vector on the host (zeros for a tensor the loss does not reach)."""
-    parts = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, tensors, strict=True)]
+def _flat(grads: Sequence[torch.Tensor | None], tensors: Sequence[torch.Tensor], positions: list[int]) -> torch.Tensor:
+    """The gradients at `positions` as one float64 vector on the host (zeros for a tensor the loss does not
+    reach)."""
+    parts = [torch.zeros_like(tensors[k]) if grads[k] is None else grads[k] for k in positions]
     return torch.cat([g.detach().double().reshape(-1).cpu() for g in parts])
 
 
