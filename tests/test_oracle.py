@@ -36,20 +36,22 @@ def toy_batch():
     }
 
 
-def test_the_gap_is_zero_where_the_cheap_path_is_exact_and_large_where_it_is_not():
+def toy_setup():
+    """The toy model, its two units (2-bit cheap path, unquantized recovery) and its batch."""
     torch.manual_seed(0)
     model = Toy()
-    units = find_units(model, "act_quant", low_bits=2, high_bits=16)
-    gaps = recovery_gaps(model, units, toy_batch())
+    return model, find_units(model, "act_quant", low_bits=2, high_bits=16), toy_batch()
+
+
+def test_the_gap_is_zero_where_the_cheap_path_is_exact_and_large_where_it_is_not():
+    model, units, batch = toy_setup()
+    gaps = recovery_gaps(model, units, batch)
     assert [u.name for u in units] == ["exact", "lossy"]
     assert gaps[0] == 0 and gaps[1] > 1e-2
 
 
 def test_the_gap_is_the_norm_of_the_weight_gradient_difference():
-    torch.manual_seed(0)
-    model = Toy()
-    units = find_units(model, "act_quant", low_bits=2, high_bits=16)
-    batch = toy_batch()
+    model, units, batch = toy_setup()
     gaps = recovery_gaps(model, units, batch)
     low = torch.autograd.grad(model(**batch).loss, [model.lossy.weight])[0]
     units[1].enter_recovery()
@@ -81,10 +83,7 @@ def whole_gradient(model, batch):
 
 
 def test_the_benefit_is_how_much_recovering_the_unit_alone_brings_the_whole_gradient_to_the_recovery_paths():
-    torch.manual_seed(0)
-    model = Toy()
-    units = find_units(model, "act_quant", low_bits=2, high_bits=16)
-    batch = toy_batch()
+    model, units, batch = toy_setup()
     benefits = recovery_benefits(model, units, batch)
     low = whole_gradient(model, batch)
     for unit in units:
