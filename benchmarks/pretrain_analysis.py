@@ -75,10 +75,9 @@ def main() -> None:
     if cli.plot:
         plot_loss_curves(results, cli.plot, title=cli.title)
 
-    paths = sorted(cli.root.glob("*/seed*/oracle.jsonl"))
+    runs = [(path, *read_oracle(path)) for path in sorted(cli.root.glob("*/seed*/oracle.jsonl"))]
     for oracle, title in (("gaps", "largest mean gaps"), ("benefits", "largest mean benefits")):
-        probed = [(path, *read_oracle(path)) for path in paths]
-        probed = [(path, names, records) for path, names, records in probed if records and oracle in records[0]]
+        probed = [(path, names, records) for path, names, records in runs if records and oracle in records[0]]
         if oracle == "benefits" and not probed:
             continue
         print(f"Oracle: {oracle}\n")

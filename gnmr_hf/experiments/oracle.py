@@ -299,21 +299,21 @@ def oracle_agreement(
     precision, active_precision, rho, random_precision, random_rho = [], [], [], [], []
     active_share: list[float] = []
     for record in records:
-        gaps = np.asarray(record[oracle], dtype=float)
+        values = np.asarray(record[oracle], dtype=float)
         risk = np.asarray(record["risk"], dtype=float)
-        if not record.get("scored") or not np.isfinite(gaps).all():
+        if not record.get("scored") or not np.isfinite(values).all():
             continue
-        n = len(gaps)
-        top = _top(gaps, k)
+        n = len(values)
+        top = _top(values, k)
         precision.append(len(_top(risk, k) & top) / k)
-        rho.append(spearman(risk, gaps))
+        rho.append(spearman(risk, values))
         if record["active"]:
             active_precision.append(len(set(record["active"]) & top) / len(record["active"]))
-            best = gaps[sorted(top)].sum()
-            active_share.append(float(gaps[record["active"]].sum() / best) if best > 0 else float("nan"))
+            best = values[sorted(top)].sum()
+            active_share.append(float(values[record["active"]].sum() / best) if best > 0 else float("nan"))
         draws = rng.random((samples, n))
         random_precision.append(float(np.mean([len(_top(d, k) & top) / k for d in draws])))
-        random_rho.append(float(np.nanmean([spearman(d, gaps) for d in draws[:20]])))
+        random_rho.append(float(np.nanmean([spearman(d, values) for d in draws[:20]])))
 
     def mean(values: list[float]) -> float:
         finite = [v for v in values if v == v]
