@@ -1,6 +1,6 @@
 """Worker for tests/test_distributed.py: GNMR on an FSDP2-sharded model, 2 CPU processes with gloo.
 
-    torchrun --nproc_per_node 2 --master_port PORT tests/workers/fsdp2_worker.py OUT_DIR BACKEND
+    torchrun --nproc_per_node 2 --master_port PORT tests/workers/fsdp2_worker.py OUT_DIR BACKEND [POLICY]
 
 accelerate selects FSDP only for accelerator devices (on a CPU it stays MULTI_CPU and runs DDP, silently ignoring
 an FSDP config; see docs/reliability.md), so the Trainer cannot run FSDP here. This worker therefore drives the
@@ -8,7 +8,9 @@ callback's own machinery in a plain training loop over a model sharded with `ful
 the units (BACKEND: `act_quant` or `block_fp`, the pretraining backends users shard, or `bf16_cast`, a precision
 backend on full-precision weights registered from outside the package: `examples/bf16_cast_backend.py`), reads the
 norms at the end of each backward pass (after FSDP2's reduce-scatter) and decides. Each rank writes, per step, the
-norms GNMR read, the reference norms from DTensor's own `full_tensor()`, and the decision.
+norms GNMR read, the reference norms from DTensor's own `full_tensor()`, and the decision. POLICY `cause`: also the
+fidelity GNMR read each step, and at the first step (weights still the initial ones on every rank) the reference
+fidelity of an unsharded copy of the model on the rank's same batch, averaged over the ranks as GNMR averages.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 def main() -> None:
     out_dir, backend = sys.argv[1], sys.argv[2]
+    policy = sys.argv[3] if len(sys.argv) > 3 else "paper"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     from torch.distributed.device_mesh import init_device_mesh
@@ -41,6 +44,8 @@ def main() -> None:
     torch.manual_seed(0)
     config = LlamaConfig(**TINY_LLAMA)
     model = LlamaForCausalLM(config)
+    replica = LlamaForCausalLM(config)
+    replica.load_state_dict(model.state_dict())
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -58,6 +63,7 @@ def main() -> None:
             backend=backend,
             exclude=[r"lm_head$"],
             trace_file="",
+            policy=policy,
         )
     )
     args = SimpleNamespace(output_dir=out_dir)
@@ -81,6 +87,9 @@ def main() -> None:
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         norms, missing = callback._pending
+        fidelity = callback._pending_fidelity
+        if step == 1 and policy == "cause":
+            reference_fidelity = unsharded_fidelity(replica, backend, callback.config, x)
         reference = []
         for unit in callback.units:
             full = [t.grad.full_tensor() if hasattr(t.grad, "full_tensor") else t.grad for t in unit.signal_tensors()]
@@ -99,12 +108,34 @@ def main() -> None:
                 "active": d.active.tolist(),
                 "entered": d.entered.tolist(),
                 "risky": d.risky.tolist(),
+                **({} if fidelity is None else {"fidelity": fidelity.tolist()}),
             }
         )
     callback.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"sharded": sharded, "names": [u.name for u in callback.units], "records": records}, f)
+        result = {"sharded": sharded, "names": [u.name for u in callback.units], "records": records}
+        if policy == "cause":
+            result["reference_fidelity"] = reference_fidelity
+        json.dump(result, f)
     dist.destroy_process_group()
+
+
+def unsharded_fidelity(model, backend, config, x) -> list[float]:
+    """What the units of `model` (not sharded) measure on batch `x` at the first step, averaged over the ranks that
+    measured, as `UnitSignals.gather_fidelity` averages."""
+    from gnmr_hf import find_units
+    from gnmr_hf.signals import UnitSignals
+
+    units = find_units(model, backend, exclude=config.exclude)
+    for unit in units:
+        unit.start_measuring(config.cause_fidelity_rows, clock=lambda: 0, recovery_every=config.recovery_every)
+    model(input_ids=x, labels=x).loss.backward()
+    fidelity = UnitSignals(units).gather_fidelity()
+    units.close()
+    seen = ~fidelity.isnan()
+    both = torch.stack([fidelity.nan_to_num(0.0), seen.float()])
+    dist.all_reduce(both)
+    return torch.where(both[1] > 0, both[0] / both[1].clamp_min(1.0), torch.nan).tolist()
 
 
 if __name__ == "__main__":
