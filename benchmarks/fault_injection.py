@@ -16,6 +16,10 @@ value on every `--stride`-th token, in its fprop and wgrad GEMMs, as a blown-up 
 
     python benchmarks/fault_injection.py --backend block_fp --output_dir runs/fault_bfp --learning_rate 1.4e-3
 
+With `--fault_operand grad` (block_fp) the fault is on the unit's output gradient instead: the rounded copy of that
+gradient reads `--factor` times its value on every `--stride`-th token in its dgrad and wgrad GEMMs
+(`GemmFormat.fault_operand`), so that the blown-up gradient flows on, through the dgrad, into every unit before it.
+
 Arms: `clean` (static low-cost, no fault: what the faults cost), `static_low` (faults, nothing reacts), `gnmr`
 (faults, GNMR), `global_z` (faults, a ZClip-style z-score of the total gradient norm, recovering the `max_active`
 units with the largest norms for `lock_steps` steps when it fires: GNMR's budget), `gnmr_cause` (faults, the cause
@@ -39,6 +43,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from gnmr_hf import GNMRConfig
+from gnmr_hf.backends.block_fp import FAULT_OPERANDS
 from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
 from gnmr_hf.trace import read_trace
 
@@ -48,9 +53,12 @@ ARMS = ("clean", "static_low", "gnmr", "global_z", "gnmr_cause")
 class FaultInjector(TrainerCallback):
     """Corrupts one unit's cheap path at a time, by the schedule `plan(num_units)` draws from `seed`."""
 
-    def __init__(self, owner: Any, seed: int, faults: int, duration: int, factor: float, stride: int) -> None:
+    def __init__(
+        self, owner: Any, seed: int, faults: int, duration: int, factor: float, stride: int, operand: str | None = None
+    ) -> None:
         self.owner, self.seed = owner, seed
         self.faults, self.duration, self.factor, self.stride = faults, duration, factor, stride
+        self.operand = operand  # block_fp's `fault_operand`; None: the backend's only one (the input)
         self.schedule: list[tuple[int, int]] = []  # (first step, unit index)
 
     def plan(self, num_units: int, max_steps: int) -> list[tuple[int, int]]:
@@ -65,6 +73,9 @@ class FaultInjector(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.schedule = self.plan(len(self.owner.units), args.max_steps)
+        if self.operand is not None:
+            for unit in self.owner.units:
+                unit.fault_operand = self.operand
 
     def on_step_begin(self, args, state, control, **kwargs):
         step = state.global_step + 1
@@ -118,7 +129,12 @@ def main() -> None:
     parser.add_argument("--high_bits", type=int, help="act_quant: bits of the recovery path's (8)")
     parser.add_argument("--low_format", help="block_fp: the cheap path's element format (e3m2)")
     parser.add_argument("--high_format", help="block_fp: the recovery path's (e4m3)")
+    parser.add_argument(
+        "--fault_operand", choices=FAULT_OPERANDS, help="block_fp: the operand whose copy the fault corrupts (input)"
+    )
     cli = parser.parse_args()
+    if cli.fault_operand is not None and cli.backend != "block_fp":
+        parser.error(f"--fault_operand is an option of --backend block_fp, not of --backend {cli.backend}")
     for backend, options in defaults.items():
         for name, default in options.items():
             if backend != cli.backend and getattr(cli, name) is not None:
@@ -142,7 +158,9 @@ def main() -> None:
             def extra(owner, seed=seed, arm=arm, injectors=injectors):
                 if arm == "clean":
                     return []
-                injector = FaultInjector(owner, seed, cli.faults, cli.duration, cli.factor, cli.stride)
+                injector = FaultInjector(
+                    owner, seed, cli.faults, cli.duration, cli.factor, cli.stride, cli.fault_operand
+                )
                 injectors.append(injector)
                 return [injector]
 

@@ -318,6 +318,53 @@ def test_an_injected_fault_corrupts_only_the_cheap_paths_input_and_shows_in_its_
     assert on_cheap > 1.0 and in_recovery == pytest.approx(on_cheap, rel=1e-5) and clean < 0.2
 
 
+def test_a_fault_on_the_output_gradient_corrupts_only_the_cheap_paths_dgrad_and_wgrad_and_shows_in_its_fidelity():
+    x, w, b, dy = operands()
+    cheap = GemmFormat("e3m2", "fp32")
+    faulty = GemmFormat("e3m2", "fp32", 30.0, 16, "grad")
+    # By hand: the output gradient's rounded copy, every 16th token times 30, in the dgrad and in the wgrad; the
+    # fprop and the input's copy untouched.
+    x2, g2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    rows = torch.ones(len(g2), 1)
+    rows[::16] = 30.0
+    y, dx, dw, _ = run(x, w, b, dy, faulty)
+    assert torch.equal(y, run(x, w, b, dy, cheap)[0])
+    torch.testing.assert_close(
+        dx.reshape(len(g2), -1), (cheap.operand(g2, 1) * rows) @ cheap.operand(w, 0, weight=True)
+    )
+    torch.testing.assert_close(dw, (cheap.operand(g2, 0) * rows).t() @ cheap.operand(x2, 0))
+    index = torch.tensor([0, 5, 16, 17, 32, 299])
+    assert torch.equal(
+        faulty.fault_rows(cheap.operand(g2[index], 1), index, "grad"), faulty.grad_operand(g2, 1)[index]
+    )
+    assert torch.equal(faulty.fault_rows(cheap.operand(x2[index], 1), index), cheap.operand(x2[index], 1))
+
+    model, unit = linear_unit(low_format="e3m2", high_format="e4m3")
+    unit.fault_scale, unit.fault_stride, unit.fault_operand = 30.0, 16, "grad"
+    assert unit.low == GemmFormat("e3m2", "fp32", 30.0, 16, "grad") and unit.high == GemmFormat("e4m3", "fp32")
+
+    def fidelity():
+        model.zero_grad()
+        model(x).backward(dy)
+        return unit.take_fidelity().item()
+
+    # Past its bound on the cheap path and the same measured in recovery (its cheap rounding of the sampled rows
+    # reads the fault where the whole copy does); without the fault, far under it.
+    unit.start_measuring()
+    on_cheap = fidelity()
+    unit.enter_recovery()
+    in_recovery = fidelity()
+    unit.exit_recovery()
+    unit.fault_scale = 1.0
+    assert on_cheap > 1.0 and in_recovery == pytest.approx(on_cheap, rel=1e-5) and fidelity() < 0.2
+
+
+def test_a_fault_operand_must_be_the_input_or_the_output_gradient():
+    _, unit = linear_unit()
+    with pytest.raises(ValueError, match=r"fault_operand must be one of \('input', 'grad'\), got 'weight'"):
+        unit.fault_operand = "weight"
+
+
 def test_a_fault_stride_must_be_a_positive_int():
     _, unit = linear_unit()
     for bad in (0, -2, 1.5, True):

@@ -24,6 +24,7 @@ from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
 __all__ = [
     "BACKENDS",
     "BLOCK_FP",
+    "FAULT_OPERANDS",
     "BlockFPLinear",
     "BlockFPOptions",
     "BlockFPUnit",
@@ -38,6 +39,10 @@ TILE = 128
 MX_BLOCK = 32
 
 
+# What an injected fault corrupts (`GemmFormat.fault_operand`): the Linear's input, or its output gradient.
+FAULT_OPERANDS = ("input", "grad")
+
+
 @dataclass(frozen=True)
 class GemmFormat:
     """How one path rounds the inputs of a Linear's GEMMs: an element format (a key of `quant.FORMATS`, or "bf16")
@@ -46,11 +51,12 @@ class GemmFormat:
 
     fmt: str
     scaling: str
-    # An injected fault (`benchmarks/fault_injection.py`; 1.0 = none): the input's copy reads `fault_scale` times its
-    # value on every `fault_stride`-th token, in the fprop and wgrad GEMMs, as a blown-up scale of those tokens' tiles
-    # would make it.
+    # An injected fault (`benchmarks/fault_injection.py`; 1.0 = none): the copy of `fault_operand`, the input (in the
+    # fprop and wgrad GEMMs) or the output gradient (in the dgrad and wgrad GEMMs), reads `fault_scale` times its
+    # value on every `fault_stride`-th token, as a blown-up scale of those tokens' tiles would make it.
     fault_scale: float = 1.0
     fault_stride: int = 1
+    fault_operand: str = "input"
 
     def operand(self, t: torch.Tensor, contract: int, *, weight: bool = False) -> torch.Tensor:
         """2-D `t` as a GEMM multiplies it, float32: blocks run along dimension `contract` (0 rows, 1 columns) of t,
@@ -65,15 +71,22 @@ class GemmFormat:
 
     def input_operand(self, x2: torch.Tensor, contract: int) -> torch.Tensor:
         """`operand` of a Linear's input `x2` ([tokens, features]), with any injected fault."""
-        xq = self.operand(x2, contract)
-        if self.fault_scale != 1.0:
-            xq[:: self.fault_stride] *= self.fault_scale  # `operand` returns a fresh tensor
-        return xq
+        return self._faulty(self.operand(x2, contract), "input")
 
-    def fault_rows(self, rows_q: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-        """`input_operand`'s fault on `rows_q`, the rounded rows `index` of an input (all rows when None), so that
-        rows rounded apart read what the whole copy reads there."""
-        if self.fault_scale == 1.0:
+    def grad_operand(self, g2: torch.Tensor, contract: int) -> torch.Tensor:
+        """`operand` of a Linear's output gradient `g2` ([tokens, out features]), with any injected fault."""
+        return self._faulty(self.operand(g2, contract), "grad")
+
+    def _faulty(self, rounded: torch.Tensor, operand: str) -> torch.Tensor:
+        if self.fault_scale != 1.0 and operand == self.fault_operand:
+            rounded[:: self.fault_stride] *= self.fault_scale  # `operand` returns a fresh tensor
+        return rounded
+
+    def fault_rows(self, rows_q: torch.Tensor, index: torch.Tensor | None, operand: str = "input") -> torch.Tensor:
+        """The fault of `input_operand` (`operand` "input") or `grad_operand` ("grad") on `rows_q`, the rounded
+        rows `index` of that operand (all rows when None), so that rows rounded apart read what the whole copy reads
+        there."""
+        if self.fault_scale == 1.0 or operand != self.fault_operand:
             return rows_q
         if index is None:
             index = torch.arange(len(rows_q), device=rows_q.device)
@@ -117,7 +130,7 @@ class BlockFPLinear(torch.autograd.Function):
         # float32 emulated operands either.
         with torch.autocast(grad_out.device.type, enabled=False):
             measure_gq = ctx.probe is not None and ctx.probe[1] == fmt
-            gq = fmt.operand(g2, 1) if ctx.needs_input_grad[0] or measure_gq else None
+            gq = fmt.grad_operand(g2, 1) if ctx.needs_input_grad[0] or measure_gq else None
             if ctx.probe is not None:
                 _backward_probe(ctx.probe, fmt, g2, gq)
             if ctx.needs_input_grad[0]:
@@ -125,7 +138,7 @@ class BlockFPLinear(torch.autograd.Function):
                 grad_x = grad_x.reshape(x.shape).to(x.dtype)
             if ctx.needs_input_grad[1]:
                 x2 = x.reshape(-1, x.shape[-1])
-                grad_w = (fmt.operand(g2, 0).t() @ fmt.input_operand(x2, 0)).to(weight.dtype)
+                grad_w = (fmt.grad_operand(g2, 0).t() @ fmt.input_operand(x2, 0)).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 grad_b = g2.sum(0, dtype=torch.float32).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None
@@ -164,7 +177,7 @@ def _forward_probe(
 def _backward_probe(probe: tuple[Any, ...], fmt: GemmFormat, g2: torch.Tensor, gq: torch.Tensor | None) -> None:
     unit, cheap, rows, forward_parts = probe
     g_rows = take_rows(g2, rows)
-    cheap_g = take_rows(gq, rows) if cheap == fmt else cheap.operand(g_rows, 1)
+    cheap_g = take_rows(gq, rows) if cheap == fmt else cheap.fault_rows(cheap.operand(g_rows, 1), rows, "grad")
     unit.report_fidelity(*forward_parts, pending_operand(g_rows, cheap_g))
 
 
@@ -247,7 +260,8 @@ class BlockFPUnit(SwitchedUnit):
         return {**super().describe(), "formats": f"{self.low.fmt}/{self.high.fmt}", "scaling": self.low.scaling}
 
     # An injected fault on the cheap path only (`GemmFormat.fault_scale`), set as on an act_quant unit: the recovery
-    # path and the weight's measure read correct copies; the input's measure reads the faulty one on both paths.
+    # path and the weight's measure read correct copies; the faulty operand's measure (the input's, or with
+    # `fault_operand` "grad" the output gradient's) reads the faulty copy on both paths.
     @property
     def fault_scale(self) -> float:
         return self.low.fault_scale
@@ -265,6 +279,18 @@ class BlockFPUnit(SwitchedUnit):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"block_fp unit {self.name!r}: fault_stride must be an int >= 1, got {value!r}")
         self.low = dataclasses.replace(self.low, fault_stride=value)
+
+    @property
+    def fault_operand(self) -> str:
+        return self.low.fault_operand
+
+    @fault_operand.setter
+    def fault_operand(self, value: str) -> None:
+        if value not in FAULT_OPERANDS:
+            raise ValueError(
+                f"block_fp unit {self.name!r}: fault_operand must be one of {FAULT_OPERANDS}, got {value!r}"
+            )
+        self.low = dataclasses.replace(self.low, fault_operand=value)
 
     def weight_part(self, weight: torch.Tensor, cheap_wq: torch.Tensor | None) -> Any:
         """The fidelity part of the weight on the cheap path (`cheap_wq`: its cheap rounding where the forward has
