@@ -33,8 +33,8 @@ ARMS = ("all_low", "head_high", "head_grad_high", "head_fwd_high")
 class OperandFormats:
     """A `GemmFormat` per GEMM input of one Linear: its input `x` (fprop and wgrad), its weight `w` (fprop and dgrad)
     and its output gradient `g` (dgrad and wgrad), for `BlockFPLinear`, which rounds the input through
-    `input_operand`, the weight through `operand(..., weight=True)` and the output gradient through `operand` (checked
-    by `check_operand_routing`)."""
+    `input_operand`, the weight through `operand(..., weight=True)` and the output gradient through `grad_operand`
+    (checked by `check_operand_routing`)."""
 
     x: GemmFormat
     w: GemmFormat
@@ -53,6 +53,9 @@ class OperandFormats:
 
     def input_operand(self, x2: torch.Tensor, contract: int) -> torch.Tensor:
         return self.x.input_operand(x2, contract)
+
+    def grad_operand(self, g2: torch.Tensor, contract: int) -> torch.Tensor:
+        return self.g.grad_operand(g2, contract)
 
 
 def formats_for(arm: str, low: GemmFormat, high: GemmFormat) -> OperandFormats | None:
