@@ -121,8 +121,8 @@ def main() -> None:
 
 
 def unsharded_fidelity(model, backend, config, x) -> list[float]:
-    """What the units of `model` (not sharded) measure on batch `x` at the first step, averaged over the ranks that
-    measured, as `UnitSignals.gather_fidelity` averages."""
+    """What the units of `model` (not sharded) measure on batch `x` at the first step, averaged over the ranks by
+    `UnitSignals.gather_fidelity`."""
     from gnmr_hf import find_units
     from gnmr_hf.signals import UnitSignals
 
@@ -130,12 +130,9 @@ def unsharded_fidelity(model, backend, config, x) -> list[float]:
     for unit in units:
         unit.start_measuring(config.cause_fidelity_rows, clock=lambda: 0, recovery_every=config.recovery_every)
     model(input_ids=x, labels=x).loss.backward()
-    fidelity = UnitSignals(units).gather_fidelity()
+    fidelity = UnitSignals(units, dp_group=dist.group.WORLD).gather_fidelity()
     units.close()
-    seen = ~fidelity.isnan()
-    both = torch.stack([fidelity.nan_to_num(0.0), seen.float()])
-    dist.all_reduce(both)
-    return torch.where(both[1] > 0, both[0] / both[1].clamp_min(1.0), torch.nan).tolist()
+    return fidelity.tolist()
 
 
 if __name__ == "__main__":
