@@ -123,7 +123,7 @@ def main() -> None:
     # Each backend's options, with their defaults; None on the command line: not given.
     defaults = {
         "act_quant": {"low_bits": 4, "high_bits": 8},
-        "block_fp": {"low_format": "e3m2", "high_format": "e4m3"},
+        "block_fp": {"low_format": "e3m2", "high_format": "e4m3", "fault_operand": "input"},
     }
     parser.add_argument("--low_bits", type=int, help="act_quant: bits of the cheap path's saved inputs (4)")
     parser.add_argument("--high_bits", type=int, help="act_quant: bits of the recovery path's (8)")
@@ -133,8 +133,6 @@ def main() -> None:
         "--fault_operand", choices=FAULT_OPERANDS, help="block_fp: the operand whose copy the fault corrupts (input)"
     )
     cli = parser.parse_args()
-    if cli.fault_operand is not None and cli.backend != "block_fp":
-        parser.error(f"--fault_operand is an option of --backend block_fp, not of --backend {cli.backend}")
     for backend, options in defaults.items():
         for name, default in options.items():
             if backend != cli.backend and getattr(cli, name) is not None:
@@ -158,9 +156,8 @@ def main() -> None:
             def extra(owner, seed=seed, arm=arm, injectors=injectors):
                 if arm == "clean":
                     return []
-                injector = FaultInjector(
-                    owner, seed, cli.faults, cli.duration, cli.factor, cli.stride, cli.fault_operand
-                )
+                operand = cli.fault_operand if cli.backend == "block_fp" else None
+                injector = FaultInjector(owner, seed, cli.faults, cli.duration, cli.factor, cli.stride, operand)
                 injectors.append(injector)
                 return [injector]
 
