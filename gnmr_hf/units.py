@@ -36,6 +36,7 @@ __all__ = [
     "apply_decision",
     "close_units",
     "display_name",
+    "not_plain_linear",
     "unit_of",
     "unwrap_model",
 ]
@@ -485,6 +486,18 @@ def close_units(model: nn.Module) -> int:
     for unit in stale:
         unit.close()
     return len(stale)
+
+
+def not_plain_linear(module: nn.Linear) -> str | None:
+    """What `module` is, when it is an `nn.Linear` that a unit computing `F.linear(x, module.weight, module.bias)`
+    in its place must not take: a subclass with a forward of its own (bitsandbytes' `Linear8bitLt`/`Linear4bit`,
+    torchao's `Float8Linear`) or a weight that is not floating point (int8 or packed 4-bit storage). None for a
+    plain one. Such a layer fails at the first forward with a dtype or shape error far from its cause, or silently
+    loses its own path, so the backends that replace a linear's forward refuse it while the units are built."""
+    cls = type(module)
+    if cls.forward is nn.Linear.forward and module.weight.is_floating_point():
+        return None
+    return f"{cls.__module__}.{cls.__qualname__} (weight {module.weight.dtype})"
 
 
 def display_name(fqn: str) -> str:

@@ -661,3 +661,27 @@ def test_an_attention_unit_lives_while_its_module_does_even_when_its_unit_set_is
     assert unit is not None and not unit.closed  # still quantizing what attention saves
     unit.close()
     assert "_gnmr_attention_unit" not in attention.__dict__ and unit_of(attention) is None
+
+
+@pytest.mark.parametrize("backend", ["act_quant", "block_fp"])
+def test_a_bitsandbytes_lora_model_is_refused_at_train_begin_naming_the_backend_and_what_fits(
+    backend, tiny_llama_dir, dataset, tmp_path
+):
+    # Both backends compute F.linear on the module's own weight: on a Linear8bitLt that failed at the first forward
+    # with "expected m1 and m2 to have the same dtype ... float != signed char". It is refused when the units are
+    # built, before any forward, and leaves the model as found.
+    pytest.importorskip("bitsandbytes")
+    from gnmr_hf.units import unit_of
+
+    from trainer_utils import make_trainer
+
+    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path, gnmr=GNMRConfig(backend=backend), spike_step=0)
+    forwards = []
+    trainer.model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    with pytest.raises(ValueError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert message.startswith(f"backend '{backend}' cannot take a bitsandbytes.nn.modules.Linear8bitLt")
+    assert "torch.int8" in message and "'bnb_int8'" in message and "'bnb_4bit'" in message
+    assert not forwards
+    assert all(unit_of(m) is None for m in trainer.model.modules())

@@ -44,7 +44,7 @@ from ..quant import (
     tensor_absmax_scale,
 )
 from ..signals import Signal, SignalOptions, adapter_tensors, signal_option
-from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit, unit_of
+from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit, not_plain_linear, unit_of
 
 __all__ = [
     "ACT_QUANT",
@@ -1168,10 +1168,19 @@ def _act_quant_unit(module: nn.Module, ctx: DispatchContext[ActQuantOptions]) ->
         return ActQuantMLPUnit
     if "norm" in kinds and _is_norm(module):
         return ActQuantNormUnit
-    if "head" in kinds and id(module) in ctx.once(_output_heads):
-        return ActQuantHeadUnit
-    if "linear" in kinds and isinstance(module, nn.Linear):
-        return ActQuantLinearUnit
+    head = "head" in kinds and id(module) in ctx.once(_output_heads)
+    if head or ("linear" in kinds and isinstance(module, nn.Linear)):
+        # Both compute F.linear on the module's own weight in place of its forward: refuse a quantized layer now,
+        # not at the first forward with a dtype error deep in autograd.
+        quantized = not_plain_linear(module)
+        if quantized is not None:
+            raise ValueError(
+                f"backend 'act_quant' cannot take a {quantized} layer: act_quant wraps the plain nn.Linear, "
+                "attention, MLP, RMSNorm and output-head modules of a model that is not quantized. For a "
+                "bitsandbytes model use backend='bnb_int8' (Linear8bitLt) or 'bnb_4bit' (Linear4bit), for torchao "
+                "Float8Linear 'torchao_float8'; or keep these layers out with exclude"
+            )
+        return ActQuantHeadUnit if head else ActQuantLinearUnit
     return None
 
 

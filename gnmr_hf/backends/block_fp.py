@@ -19,7 +19,7 @@ from torch import nn
 from ..fidelity import TensorCache, pending_operand, resolve, take_rows
 from ..quant import FORMATS, quantize_blocks
 from ..signals import SignalOptions
-from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit
+from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit, not_plain_linear
 
 __all__ = [
     "BACKENDS",
@@ -362,6 +362,16 @@ def _block_fp_unit(module: nn.Module, ctx: DispatchContext[BlockFPOptions]) -> t
         return None
     if not ctx.options.quantize_lm_head and module is ctx.once(_output_head):
         return None
+    # The unit computes its own GEMM from the module's weight in place of its forward: refuse a quantized layer
+    # now, not at the first forward with a dtype or shape error deep in autograd.
+    quantized = not_plain_linear(module)
+    if quantized is not None:
+        raise ValueError(
+            f"backend 'block_fp' cannot take a {quantized} layer: block_fp wraps the plain nn.Linear layers of a "
+            "model that is not quantized (it quantizes their GEMM inputs itself). For a bitsandbytes model use "
+            "backend='bnb_int8' (Linear8bitLt) or 'bnb_4bit' (Linear4bit), for torchao Float8Linear "
+            "'torchao_float8'; or keep these layers out with exclude"
+        )
     return BlockFPUnit
 
 
