@@ -30,10 +30,11 @@ from .cause import UnitRelations
 from .config import GNMRConfig
 from .controller import GNMRController, HostDecision, Selection
 from .integrations.deepspeed import DeepSpeedZero
+from .options import BackendOptions
 from .registry import find_units, get_backend
 from .signals import UnitSignals
 from .trace import TraceSummary, TraceWriter, set_aside
-from .units import RecoverableUnit, apply_decision, close_units, unwrap_model
+from .units import Backend, RecoverableUnit, apply_decision, close_units, unwrap_model
 
 __all__ = ["GNMRCallback"]
 
@@ -76,6 +77,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
             raise TypeError(f"GNMRCallback: config must be a GNMRConfig or a dict, got {type(config).__name__}")
         if selection is not None and not isinstance(selection, Selection):
             raise TypeError(f"GNMRCallback: selection must be a Selection, got {type(selection).__name__}")
+        # The config is a leaf that imports no backend, so it takes any name; check the backend and its options here,
+        # when the user builds the callback (or GNMRTrainer), not at train begin after the model is prepared.
+        _backend_and_options(config)
         self.config = config
         self.module_filter_fn = module_filter_fn
         self.selection = selection
@@ -149,14 +153,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         model.__dict__[_RUN_ATTR] = (weakref.ref(self), state)
         cfg = self.config
         self._model = model
-        try:
-            backend = get_backend(cfg.backend)
-        except ValueError as err:
-            raise ValueError(f"GNMRConfig.backend: {err}") from None
-        try:
-            options = backend.parse_options(cfg.backend_options)
-        except (TypeError, ValueError) as err:
-            raise type(err)(f"GNMRConfig.backend_options: {err}") from None
+        backend, options = _backend_and_options(cfg)
         self.units = find_units(
             model,
             backend,
@@ -465,6 +462,19 @@ class GNMRCallback(TrainerCallback, ExportableState):
         metrics["gnmr/exceedance_rate"] = w.get("exceedance_rate", 0.0) / steps
         self._window, self._window_steps = {}, 0
         return metrics
+
+
+def _backend_and_options(config: GNMRConfig) -> tuple[Backend, BackendOptions]:
+    """`config.backend`'s `Backend` and its parsed `config.backend_options`; errors name the field and what is
+    allowed (the known backends, the backend's options). Again at train begin: the config may have changed since."""
+    try:
+        backend = get_backend(config.backend)
+    except ValueError as err:
+        raise ValueError(f"GNMRConfig.backend: {err}") from None
+    try:
+        return backend, backend.parse_options(config.backend_options)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"GNMRConfig.backend_options: {err}") from None
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:

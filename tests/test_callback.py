@@ -230,6 +230,25 @@ def test_add_callback_behind_reporting_integrations_says_which_miss_the_metrics(
     assert all("gnmr/active" in h for h in trainer.state.log_history if "loss" in h)
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"backend": "nonexistent"}, r"^GNMRConfig\.backend: unknown backend 'nonexistent'; known backends are \["),
+        ({"backend_options": "foo=bar"}, r"^GNMRConfig\.backend_options: bnb_int8 has unknown options \['foo'\]"),
+    ],
+)
+def test_a_bad_backend_or_option_is_refused_when_the_callback_or_trainer_is_built(fields, message, tmp_path):
+    from transformers import TrainingArguments
+
+    config = GNMRConfig(**fields)  # the config is a leaf: it imports no backend, so it takes the name
+    with pytest.raises(ValueError, match=message):
+        GNMRCallback(config)
+    # GNMRTrainer checks before Trainer.__init__ touches the model: with no model at all, ours is the error.
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=message):
+        GNMRTrainer(model=None, args=args, gnmr_config=config)
+
+
 def test_summary_and_trace_are_written(tiny_llama_dir, dataset, tmp_path):
     trainer = make_trainer(tiny_llama_dir, dataset, tmp_path)
     trainer.train()

@@ -177,19 +177,24 @@ def test_bad_options_name_the_backend_and_the_option(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_callback_names_the_config_field_of_a_bad_backend_option(backend, tiny_llama_dir):
+    # Refused when the callback is built, before any model is touched...
+    with pytest.raises(ValueError, match=rf"^GNMRConfig\.backend_options: {backend} has unknown options"):
+        GNMRCallback(GNMRConfig(backend=backend, backend_options="colour=red"))
+    # ...and again at train begin if the config was changed since, leaving the model as found.
     model, _ = _model(backend, tiny_llama_dir)
-    callback = GNMRCallback(GNMRConfig(backend=backend, backend_options="colour=red"))
+    callback = GNMRCallback(GNMRConfig(backend=backend))
+    callback.config.backend_options = {"colour": "red"}
     args = type("Args", (), {"deepspeed": None, "report_to": []})()
     with pytest.raises(ValueError, match=rf"^GNMRConfig\.backend_options: {backend} has unknown options"):
         callback.on_train_begin(args, type("State", (), {})(), None, model=model)
     assert all("forward" not in m.__dict__ and unit_of(m) is None for m in model.modules())
 
 
-def test_an_unknown_backend_is_named_with_the_known_ones_when_units_are_built(tiny_llama_dir):
-    callback = GNMRCallback(GNMRConfig(backend="fp4"))
-    args = type("Args", (), {"deepspeed": None, "report_to": []})()
+def test_an_unknown_backend_is_named_with_the_known_ones_when_the_callback_is_built():
     with pytest.raises(ValueError, match=r"^GNMRConfig\.backend: unknown backend 'fp4'; known backends are \["):
-        callback.on_train_begin(args, type("State", (), {})(), None, model=_plain(tiny_llama_dir))
+        GNMRCallback(GNMRConfig(backend="fp4"))
+    with pytest.raises(ValueError, match=r"^GNMRConfig\.backend: unknown backend 'fp4'"):
+        GNMRCallback({"backend": "fp4"})  # as a checkpoint rebuilds it
 
 
 def test_the_outside_backend_is_one_file_and_its_options_work(tiny_llama_dir):
