@@ -299,7 +299,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.summary is not None and state.is_world_process_zero:
-            logger.info("\n%s", self.summary.format())
+            _show(self.summary.format())
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
                 json.dump(self.summary.as_dict(), f, indent=2)
@@ -462,6 +462,17 @@ class GNMRCallback(TrainerCallback, ExportableState):
         metrics["gnmr/exceedance_rate"] = w.get("exceedance_rate", 0.0) / steps
         self._window, self._window_steps = {}, 0
         return metrics
+
+
+def _show(text: str) -> None:
+    """End-of-run output the user must see: logged at INFO where the user's logging shows that (a handler and a level
+    that let it through: no second copy), else printed to stdout, as the Trainer's own train summary is (its
+    printer and progress callbacks `print` the final metrics on the main process whatever logging is set up). A
+    script with default logging would otherwise show nothing of GNMR."""
+    if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+        logger.info("\n%s", text)
+    else:
+        print(text, flush=True)
 
 
 def _backend_and_options(config: GNMRConfig) -> tuple[Backend, BackendOptions]:

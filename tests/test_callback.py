@@ -249,6 +249,54 @@ def test_a_bad_backend_or_option_is_refused_when_the_callback_or_trainer_is_buil
         GNMRTrainer(model=None, args=args, gnmr_config=config)
 
 
+# The README's add_callback example as a user's own script, logging left as Python sets it up.
+USER_SCRIPT = """
+import sys
+from transformers import Trainer, TrainingArguments
+from gnmr_hf import GNMRCallback, GNMRConfig
+from gnmr_hf.experiments.demo import byte_dataset
+from gnmr_hf.experiments.tiny import load_int8_lora
+
+model_dir, text, out, configure = sys.argv[1:]
+if configure == "info":
+    import logging
+    logging.basicConfig(level=logging.INFO)
+args = TrainingArguments(
+    output_dir=out, use_cpu=True, max_steps=3, per_device_train_batch_size=2, logging_steps=1, report_to=[]
+)
+trainer = Trainer(model=load_int8_lora(model_dir), args=args, train_dataset=byte_dataset(text))
+trainer.add_callback(GNMRCallback(GNMRConfig(max_active=4, lock_steps=8)))
+trainer.train()
+"""
+
+
+def test_a_users_script_shows_the_summary_once_as_the_trainer_shows_its_own(tiny_llama_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from gnmr_hf.experiments.tiny import write_local_text
+
+    text = write_local_text(tmp_path / "train.txt", lines=16)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    runs = {}
+    for configure in ("default", "info"):
+        runs[configure] = subprocess.run(
+            [sys.executable, "-c", USER_SCRIPT, str(tiny_llama_dir), str(text), str(tmp_path / configure), configure],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert runs[configure].returncode == 0, runs[configure].stderr[-3000:]
+    default, info = runs["default"], runs["info"]
+    # Default logging: printed on stdout, after the Trainer's own train summary.
+    assert default.stdout.count("GNMR summary") == 1 and "GNMR summary" not in default.stderr
+    assert default.stdout.index("train_runtime") < default.stdout.index("GNMR summary")
+    # Logging configured to show INFO: logged there, and not printed a second time.
+    assert info.stderr.count("GNMR summary") == 1 and "GNMR summary" not in info.stdout
+
+
 def test_summary_and_trace_are_written(tiny_llama_dir, dataset, tmp_path):
     trainer = make_trainer(tiny_llama_dir, dataset, tmp_path)
     trainer.train()
