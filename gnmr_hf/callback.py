@@ -197,10 +197,17 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self._gradient_state = _gradient_state()
         self._scaler = _loss_scaler(optimizer)
         if getattr(args, "report_to", None) and not self._placed_first:
+            # Trainer.log() builds each log's dict itself and hands it to the callbacks in list order, and the
+            # Trainer puts the reporting integrations ahead of every callback it is given (callbacks= as well as
+            # add_callback). No event hands a callback the Trainer or its callback list, so it cannot move itself
+            # ahead; GNMRTrainer, which owns the list, can. Hence the fix the warning names.
             logger.warning(
-                "GNMR: reporting integrations %s come before this callback in the Trainer's list (add_callback "
-                "appends), so they (and the console) log before the gnmr/* metrics are added, which reach "
-                "state.log_history only. Use GNMRTrainer to have them everywhere.",
+                "GNMR: the reporting integrations %s log before this callback adds the gnmr/* metrics (the Trainer "
+                "puts them ahead of the callbacks it is given, by add_callback or callbacks=), so they never get "
+                "those metrics; state.log_history does (the console too with callbacks=, not with add_callback, which "
+                "appends after the console printer). To have them everywhere, build the trainer as "
+                "GNMRTrainer(model=..., args=..., train_dataset=..., gnmr_config=GNMRConfig(...)) (from gnmr_hf "
+                "import GNMRTrainer) in place of Trainer(...) and add_callback(GNMRCallback(...)).",
                 list(args.report_to),
             )
         self._warmup_check_step = self.controller.step if self.controller.step >= cfg.min_history + cfg.window else 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from typing import ClassVar
 
 import pytest
 import torch
@@ -214,20 +215,54 @@ def test_gnmr_trainer_puts_the_metrics_ahead_of_every_other_callback(tiny_llama_
     assert entered >= 1  # the spike entered, and the flips of every step are summed between logs
 
 
-def test_add_callback_behind_reporting_integrations_says_which_miss_the_metrics(
-    tiny_llama_dir, dataset, tmp_path, caplog
+class FakeTensorBoard(TrainerCallback):
+    """What transformers' TensorBoardCallback does with a log (its `on_log` writes every number in `logs` as a scalar
+    of the step), into a dict: tensorboard is not a test dependency."""
+
+    written: ClassVar[dict[str, list[int]]] = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for key, value in (logs or {}).items():
+            if isinstance(value, (int, float)):
+                self.written.setdefault(key, []).append(state.global_step)
+
+
+@pytest.mark.parametrize("how", ["add_callback", "callbacks", "GNMRTrainer"])
+def test_only_gnmr_trainer_gets_the_metrics_to_tensorboard_and_the_others_warn_with_the_fix(
+    how, tiny_llama_dir, dataset, tmp_path, caplog, monkeypatch
 ):
-    rec = Recorder()
-    trainer = make_trainer(tiny_llama_dir, dataset, tmp_path, gnmr=False, callbacks=[rec], max_steps=2)
-    trainer.add_callback(GNMRCallback(GNMRConfig(**CFG)))  # added last, like a user would
-    trainer.args.report_to = ["tensorboard"]  # what the warning reads; no integration needs to run for it
+    from transformers import TrainingArguments
+
+    from gnmr_hf.experiments.tiny import load_int8_lora
+
+    # report_to=["tensorboard"] gets the TensorBoard callback where the Trainer puts every reporting integration.
+    monkeypatch.setattr(
+        "transformers.trainer.get_reporting_integration_callbacks", lambda report_to: [FakeTensorBoard]
+    )
+    FakeTensorBoard.written = {}
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=2, per_device_train_batch_size=2, logging_steps=1,
+        report_to=["tensorboard"], disable_tqdm=True,
+    )  # fmt: skip
+    common = dict(model=load_int8_lora(tiny_llama_dir), args=args, train_dataset=dataset)
+    config = GNMRConfig(**CFG)
+    if how == "add_callback":
+        trainer = Trainer(**common)
+        trainer.add_callback(GNMRCallback(config))
+    elif how == "callbacks":
+        trainer = Trainer(**common, callbacks=[GNMRCallback(config)])
+    else:
+        trainer = GNMRTrainer(**common, gnmr_config=config)
     with caplog.at_level(logging.WARNING, logger="gnmr_hf"):
         trainer.train()
-    assert "reporting integrations ['tensorboard'] come before this callback" in caplog.text
-    assert "Use GNMRTrainer" in caplog.text
-    # The callback ahead of GNMR logged before the metrics were added; the log history has them.
-    assert not any("gnmr/active" in logs for logs in rec.logs)
     assert all("gnmr/active" in h for h in trainer.state.log_history if "loss" in h)
+    if how == "GNMRTrainer":
+        assert FakeTensorBoard.written["gnmr/active"] == FakeTensorBoard.written["loss"] == [1, 2]
+        assert "reporting integrations" not in caplog.text
+    else:
+        assert "gnmr/active" not in FakeTensorBoard.written and FakeTensorBoard.written["loss"] == [1, 2]
+        assert "the reporting integrations ['tensorboard'] log before this callback" in caplog.text
+        assert "build the trainer as GNMRTrainer(model=..., args=..., train_dataset=..., gnmr_config=" in caplog.text
 
 
 @pytest.mark.parametrize(
