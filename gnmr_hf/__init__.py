@@ -7,8 +7,10 @@ low-precision path to a high-fidelity path under a hard budget (`max_active`) an
     from gnmr_hf import GNMRCallback, GNMRConfig
     trainer.add_callback(GNMRCallback(GNMRConfig(max_active=4)))
 
-`import gnmr_hf` is light: the Trainer integration (which imports transformers, and through it bitsandbytes
-and peft when they are installed) is loaded on first use of `GNMRCallback` or `GNMRTrainer`.
+`import gnmr_hf` is light: only the config (plain Python) is loaded with the package; everything else on first use
+of its name. The controller, units and signals need torch (most of a second to import, more on a busy machine, which
+`gnmr-hf --help` would pay for nothing), and the Trainer integration imports transformers, and through it
+bitsandbytes and peft when they are installed.
 """
 
 from __future__ import annotations
@@ -17,23 +19,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .config import GNMRConfig
-from .controller import Decision, GNMRController, HostDecision, Selection
 from .options import BackendOptions
-from .registry import find_units, get_backend, register_backend
-from .signals import OutputGradMeter, Signal, SignalOptions, UnitSignals
-from .units import (
-    Backend,
-    DispatchContext,
-    RecoverableUnit,
-    RecoveryLedger,
-    SwitchedUnit,
-    UnitSet,
-    apply_decision,
-)
 
 if TYPE_CHECKING:
     from .callback import GNMRCallback
+    from .controller import Decision, GNMRController, HostDecision, Selection
+    from .registry import find_units, get_backend, register_backend
+    from .signals import OutputGradMeter, Signal, SignalOptions, UnitSignals
     from .trainer import GNMRTrainer
+    from .units import (
+        Backend,
+        DispatchContext,
+        RecoverableUnit,
+        RecoveryLedger,
+        SwitchedUnit,
+        UnitSet,
+        apply_decision,
+    )
 
 __version__ = "0.1.0"
 
@@ -63,7 +65,16 @@ __all__ = [
     "register_backend",
 ]
 
-_LAZY = {"GNMRCallback": ".callback", "GNMRTrainer": ".trainer"}
+# Each public name that needs torch, and the module that defines it (imported on first use).
+_LAZY = {
+    **dict.fromkeys(("Decision", "GNMRController", "HostDecision", "Selection"), ".controller"),
+    **dict.fromkeys(("find_units", "get_backend", "register_backend"), ".registry"),
+    **dict.fromkeys(("OutputGradMeter", "Signal", "SignalOptions", "UnitSignals"), ".signals"),
+    **dict.fromkeys(("Backend", "DispatchContext", "RecoverableUnit", "RecoveryLedger"), ".units"),
+    **dict.fromkeys(("SwitchedUnit", "UnitSet", "apply_decision"), ".units"),
+    "GNMRCallback": ".callback",
+    "GNMRTrainer": ".trainer",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import logging
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
-__all__ = ["check_backend_options", "fail", "main", "one_line_errors", "parse_or_fail", "quiet_unused_imports"]
+__all__ = [
+    "check_backend_options",
+    "fail",
+    "main",
+    "one_line_errors",
+    "parse_or_fail",
+    "quiet_unused_imports",
+    "unrecognized",
+]
 
 # Loggers that speak while transformers imports torchao (it does whenever torchao is installed, for its quantizer
 # registry): CUDA kernels that fail to load on a CPU machine, enum registrations torch calls deprecated. None of it
@@ -42,21 +51,52 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+_UNRECOGNIZED = "unrecognized arguments: "
+
+
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """`parser`, reporting its own errors (unknown flag, bad type, missing value) with `fail`: argparse's usage
-    block is as long as the flag list (640 lines beside `TrainingArguments`) and hides the one line that matters."""
-    parser.error = fail  # type: ignore[method-assign]
+    block is as long as the flag list (640 lines beside `TrainingArguments`) and hides the one line that matters.
+    An unknown flag gets the nearest known one as a suggestion (`unrecognized`)."""
+
+    def error(message: str) -> NoReturn:
+        if message.startswith(_UNRECOGNIZED):
+            fail(unrecognized(parser, message[len(_UNRECOGNIZED) :].split()))
+        fail(message)
+
+    parser.error = error  # type: ignore[method-assign]
     return parser
+
+
+def unrecognized(parser: argparse.ArgumentParser, args: Sequence[str]) -> str:
+    """The one-line message for arguments `parser` does not know, with the closest of its flags to each unknown one
+    (`--max_activ`: did you mean --max_active?), so a typo in one of hundreds of flags needs no --help."""
+    # Each spelling of a flag (HfArgumentParser adds --max-active beside --max_active) -> the flag's first name.
+    long = [[s for s in a.option_strings if s.startswith("--")] for a in parser._actions]
+    names = {s: spellings[0] for spellings in long for s in spellings}
+    hints = []
+    for arg in args:
+        if arg.startswith("-"):
+            flag = arg.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, names, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{flag}: did you mean {names[close[0]]}?")
+    return _UNRECOGNIZED + " ".join(args) + (f" ({'; '.join(hints)})" if hints else "")
 
 
 def parse_or_fail(parser: Any, argv: Sequence[str] | None) -> tuple[Any, ...]:
     """`parser.parse_args_into_dataclasses(argv)` (an `HfArgumentParser`), with the dataclasses' validation errors
-    (`__post_init__` raises ValueError or TypeError naming the field) reported by `fail`."""
+    (`__post_init__` raises ValueError or TypeError naming the field) and unknown arguments reported by `fail`."""
     one_line_errors(parser)
     try:
-        return tuple(parser.parse_args_into_dataclasses(args=None if argv is None else list(argv)))
+        *parsed, remaining = parser.parse_args_into_dataclasses(
+            args=None if argv is None else list(argv), return_remaining_strings=True
+        )
     except (ValueError, TypeError) as err:
         fail(str(err))
+    if remaining:
+        fail(unrecognized(parser, remaining))
+    return tuple(parsed)
 
 
 def check_backend_options(config: Any) -> None:
@@ -196,7 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage(), file=sys.stderr)
         return 2
     if argv[0] not in COMMANDS:
-        print(f"error: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)}\n", file=sys.stderr)
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        print(f"error: unknown command {argv[0]!r}{hint}; the commands are {', '.join(COMMANDS)}\n", file=sys.stderr)
         print(_usage(), file=sys.stderr)
         return 2
     if argv[0] == "advise":

@@ -54,7 +54,9 @@ class GNMRConfig:
         default="constant",
         metadata={
             "help": "How alpha and beta move over the optimizer step: 'constant', 'linear' or 'cosine' "
-            "from (alpha, beta) at step 1 to (alpha_final, beta_final) at step schedule_steps."
+            "from (alpha, beta) at step 1 to (alpha_final, beta_final) at step schedule_steps.",
+            # HfArgumentParser hands metadata to add_argument: --help lists the values, argparse checks them.
+            "choices": _SCHEDULES,
         },
     )
     alpha_final: float | None = field(
@@ -81,7 +83,8 @@ class GNMRConfig:
         metadata={
             "help": "'paper': the paper's selection, bit for bit. 'cause': also measure what each unit's cheap path "
             "loses (its fidelity), recover the unit that causes a symptom, units broken from the start, hold them "
-            "while their cheap path stays lossy (docs/method.md, 'The cause policy')."
+            "while their cheap path stays lossy (docs/method.md, 'The cause policy').",
+            "choices": _POLICIES,
         },
     )
     cause_suspect: float = field(
