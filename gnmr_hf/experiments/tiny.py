@@ -8,6 +8,7 @@ safetensors, so the real loading path (`from_pretrained` with `BitsAndBytesConfi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ __all__ = [
     "load_int8_lora",
     "write_instruction_data",
     "write_local_text",
+    "write_tiny_gguf",
 ]
 
 TINY_LLAMA = dict(
@@ -154,3 +156,88 @@ def char_tokenizer():
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
+
+
+def write_tiny_gguf(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    merges: int = 32,
+) -> Path:
+    """Write a tiny LLaMA as a GGUF file, the way llama.cpp lays out a real one (SmolLM2's): `llama.*` metadata, a
+    GPT-2 byte-level BPE tokenizer (the 256 byte tokens, `merges` merges, `<|endoftext|>` for bos/eos/pad), the
+    token embedding in Q8_0, every projection in Q4_1 and the norms in F32, with no output head (tied to the
+    embedding). Written with the `gguf` package's own writer and quantizers; the vocabulary is 256 + `merges` + 1."""
+    import gguf
+    import numpy as np
+
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    # GPT-2's byte-to-unicode table: every byte gets a printable character, the BPE alphabet.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b) for b in printable}
+    chars.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in chars)})
+    tokens = [chars[b] for b in range(256)]
+    pairs = []
+    for a, b in (("t", "h"), ("e", "r"), ("i", "n"), ("a", "n"), ("o", "n"), ("r", "e"), ("e", "d"), ("s", "t")):
+        pairs.append((a, b))
+    pairs += [(chars[32], c) for c in "tasoiwcbpfmdhlnre"]  # " t", " a", ...: GPT-2 spaces are "Ġ"
+    pairs = [p for p in dict.fromkeys(pairs) if "".join(p) not in tokens][:merges]
+    tokens += ["".join(p) for p in pairs] + ["<|endoftext|>"]
+    vocab = len(tokens)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("gnmr-hf tiny llama")
+    writer.add_block_count(num_hidden_layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden_size)
+    writer.add_feed_forward_length(intermediate_size)
+    writer.add_head_count(num_attention_heads)
+    writer.add_head_count_kv(num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(hidden_size // num_attention_heads)
+    writer.add_vocab_size(vocab)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * (vocab - 1) + [gguf.TokenType.CONTROL])
+    writer.add_token_merges([" ".join(p) for p in pairs])
+    writer.add_bos_token_id(vocab - 1)
+    writer.add_eos_token_id(vocab - 1)
+    writer.add_pad_token_id(vocab - 1)
+    writer.add_add_bos_token(False)
+
+    def tensor(name: str, shape: tuple[int, ...], kind: Any, scale: float = 0.05) -> None:
+        # numpy shapes are (rows, columns) = (out_features, in_features), as in torch; GGUF lists them reversed.
+        data = (rng.standard_normal(shape) * scale).astype(np.float32) if kind else np.ones(shape, np.float32)
+        if kind in (None, gguf.GGMLQuantizationType.F32):
+            writer.add_tensor(name, data)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+
+    q4, q8 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+    head_dim = hidden_size // num_attention_heads
+    tensor("token_embd.weight", (vocab, hidden_size), q8)
+    for i in range(num_hidden_layers):
+        tensor(f"blk.{i}.attn_norm.weight", (hidden_size,), None)
+        tensor(f"blk.{i}.attn_q.weight", (hidden_size, hidden_size), q4)
+        tensor(f"blk.{i}.attn_k.weight", (num_key_value_heads * head_dim, hidden_size), q4)
+        tensor(f"blk.{i}.attn_v.weight", (num_key_value_heads * head_dim, hidden_size), q4)
+        tensor(f"blk.{i}.attn_output.weight", (hidden_size, hidden_size), q4)
+        tensor(f"blk.{i}.ffn_norm.weight", (hidden_size,), None)
+        tensor(f"blk.{i}.ffn_gate.weight", (intermediate_size, hidden_size), q4)
+        tensor(f"blk.{i}.ffn_up.weight", (intermediate_size, hidden_size), q4)
+        tensor(f"blk.{i}.ffn_down.weight", (hidden_size, intermediate_size), q4)
+    tensor("output_norm.weight", (hidden_size,), None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
