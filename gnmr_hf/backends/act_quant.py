@@ -522,9 +522,17 @@ def _recomputed_probabilities(
     positions: torch.Tensor | None = None,
     num_queries: int | None = None,
 ) -> torch.Tensor:
-    """P = exp(q k^T * scaling - lse), as the FlashAttention-style backward recomputes it from the saved q and k
-    (`k_rep`: k with its heads repeated for GQA); `positions`: as for `_scores`."""
-    return torch.exp(_scores(q, k_rep, mask, is_causal, scaling, positions, num_queries) - lse.unsqueeze(-1))
+    """P = exp(min(q k^T * scaling - lse, 0)), as the FlashAttention-style backward recomputes it from the saved q and
+    k (`k_rep`: k with its heads repeated for GQA); `positions`: as for `_scores`.
+
+    The exponent is capped at 0 because a probability is at most 1: exactly, every logit is <= its row's logsumexp,
+    so the cap changes nothing on a faithful path. On a lossy one it keeps the recomputation finite: a trained LLM's
+    logits reach the thousands (SmolLM2's massive activations), where 4-bit q and k move a logit by more than 88
+    above the exact lse, and exp overflows float32 to inf, then d_s = p * (d_p - sum) gives inf - inf = NaN in q's,
+    k's and every upstream gradient (137 of SmolLM2's parameters). Capped, such a row's entries are at most 1: the
+    loss of fidelity stays visible (its rows' sums, `row_totals`, are > 1) but every gradient is finite."""
+    logits = _scores(q, k_rep, mask, is_causal, scaling, positions, num_queries)
+    return torch.exp((logits - lse.unsqueeze(-1)).clamp(max=0.0))
 
 
 class QuantSavedAttention(torch.autograd.Function):
