@@ -67,7 +67,7 @@ def test_the_cache_is_reused_and_a_damaged_or_stale_folder_is_converted_again(ti
 def test_bad_names_and_precisions_are_refused_with_what_is_allowed(tmp_path, tiny_gguf):
     with pytest.raises(ValueError, match=r"model must be one of \['smollm2-135m'\], a .gguf file or a transformers"):
         resolve_model(tmp_path)
-    with pytest.raises(FileNotFoundError, match="nope.gguf is not a file"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.gguf is not a file"):
         resolve_model(tmp_path / "nope.gguf")
     with pytest.raises(ValueError, match=r"precision must be one of \['fp32', 'bf16', 'fp16', 'int8'"):
         load_real_model(tiny_gguf[0], "int4", cache=tiny_gguf[1])
