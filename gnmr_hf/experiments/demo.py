@@ -10,6 +10,11 @@
 4. trains with the transformers Trainer (`use_cpu=True`) and `GNMRCallback`;
 5. prints the GNMR summary and writes the decision trace and its plots to `output_dir`.
 
+`--model smollm2-135m` (or any `.gguf` file or transformers folder, `gnmr_hf.experiments.models`) runs the same job on
+a real pretrained model instead: loaded in 8-bit (or 4-bit), LoRA r=8 on its seven projections of every layer (210
+units for SmolLM2), trained on the Python standard library's sources in blocks of `--seq_len` tokens of its own
+tokenizer.
+
 A tiny model on clean text rarely has a real instability, so by default the demo *injects* one, the same
 way the tests do: at step `--spike_step` one unit's gradient is multiplied by `--spike_factor`. GNMR should
 select that unit at the next step, hold it for `lock_steps` and release it. `--spike_step 0` turns it off.
@@ -29,12 +34,15 @@ from ..config import GNMRConfig
 from ..units import display_name
 from .tiny import build_tiny_llama, load_4bit_lora, load_int8_lora, write_local_text
 
-__all__ = ["DEMO_LOADERS", "GradientSpikeCallback", "byte_dataset", "run_demo"]
+__all__ = ["DEMO_LOADERS", "DEMO_PRECISIONS", "GradientSpikeCallback", "byte_dataset", "run_demo", "token_blocks"]
 
 logger = logging.getLogger("gnmr_hf")
 
 # The demo's backends and the loader that makes a model of their kind (`--backend`, i.e. `GNMRConfig.backend`).
 DEMO_LOADERS = {"bnb_int8": load_int8_lora, "bnb_4bit": load_4bit_lora}
+# The same for a real model (`--model`): the precision `load_real_model` loads it in.
+DEMO_PRECISIONS = {"bnb_int8": "int8", "bnb_4bit": "nf4"}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 class GradientSpikeCallback(TrainerCallback):
@@ -90,9 +98,44 @@ def byte_dataset(text_file: str | Path, seq_len: int = 32, vocab_size: int = 256
     return ds.map(encode, batched=True, remove_columns=["text"])
 
 
+def token_blocks(tokenizer: Any, seq_len: int, count: int) -> list[dict[str, torch.Tensor]]:
+    """`count` blocks of `seq_len` tokens of the Python standard library's sources (which every machine has),
+    tokenized by `tokenizer`, in order: {"input_ids", "labels"}."""
+    import sysconfig
+
+    # The json package's sources first, then the other top-level modules, sorted: a fixed text on every machine.
+    # (Not pretrain.load_corpus: pretrain imports the CLI, which imports this module.)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted((root / "json").glob("*.py")) + sorted(root.glob("*.py"))
+    text, need = [], 6 * seq_len * count
+    for f in files:
+        text.append(f.read_text(errors="replace"))
+        need -= len(text[-1])
+        if need <= 0:
+            break
+    ids = torch.tensor(tokenizer("\n".join(text)).input_ids)
+    if len(ids) < seq_len * count:
+        raise ValueError(f"token_blocks: {len(ids)} tokens hold fewer than {count} blocks of {seq_len}")
+    blocks = ids[: seq_len * count].view(count, seq_len)
+    return [{"input_ids": b, "labels": b} for b in blocks]
+
+
+def _real_lora(model_name: str, backend: str, seed: int) -> tuple[Any, Any]:
+    from peft import LoraConfig, get_peft_model
+
+    from .models import load_real_model
+
+    model, tokenizer = load_real_model(model_name, DEMO_PRECISIONS[backend])
+    torch.manual_seed(seed)
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    return get_peft_model(model, lora), tokenizer
+
+
 def run_demo(
     output_dir: str | Path,
     *,
+    model: str = "tiny",
+    seq_len: int = 128,
     max_steps: int = 40,
     gnmr: GNMRConfig | None = None,
     spike_module: str = "model.layers.1.mlp.down_proj",
@@ -104,7 +147,9 @@ def run_demo(
     extra_callbacks: Sequence[TrainerCallback] = (),
 ) -> dict[str, Any]:
     """Run the demo and return {"trainer", "callback", "summary", "plots", "trace"}. The model is loaded for
-    `gnmr.backend` (one of `DEMO_LOADERS`)."""
+    `gnmr.backend` (one of `DEMO_LOADERS`): the tiny LLaMA built here, or with `model` a real one
+    (`gnmr_hf.experiments.models.resolve_model`: a name, a .gguf file or a folder), trained on `seq_len`-token blocks
+    (batch 2)."""
     from transformers import Trainer, TrainingArguments
 
     from ..callback import GNMRCallback
@@ -115,9 +160,15 @@ def run_demo(
         raise ValueError(f"gnmr-hf demo: --backend must be one of {list(DEMO_LOADERS)}, got {gnmr.backend!r}")
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    base = build_tiny_llama(output_dir / "base_model", seed=seed)
-    model = DEMO_LOADERS[gnmr.backend](base, seed=seed)
-    data = byte_dataset(write_local_text(output_dir / "train.txt", seed=seed))
+    if model == "tiny":
+        base = build_tiny_llama(output_dir / "base_model", seed=seed)
+        lora = DEMO_LOADERS[gnmr.backend](base, seed=seed)
+        data = byte_dataset(write_local_text(output_dir / "train.txt", seed=seed))
+        batch = 8
+    else:
+        lora, tokenizer = _real_lora(model, gnmr.backend, seed)
+        batch = 2
+        data = token_blocks(tokenizer, seq_len, batch * gradient_accumulation_steps * max_steps)
     callback = GNMRCallback(gnmr)
     callbacks: list[TrainerCallback] = [callback, *extra_callbacks]
     if spike_step > 0:
@@ -126,7 +177,7 @@ def run_demo(
         output_dir=str(output_dir),
         use_cpu=True,
         max_steps=max_steps,
-        per_device_train_batch_size=8,
+        per_device_train_batch_size=batch,
         gradient_accumulation_steps=gradient_accumulation_steps,
         learning_rate=1e-3,
         logging_steps=5,
@@ -135,7 +186,7 @@ def run_demo(
         seed=seed,
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+    trainer = Trainer(model=lora, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()
     trace = output_dir / gnmr.trace_file
     summary, plot_paths = report(trace, output_dir, plots=plots)

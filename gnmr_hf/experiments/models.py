@@ -38,6 +38,7 @@ __all__ = [
     "REAL_MODELS",
     "RealModel",
     "cache_dir",
+    "check_model",
     "convert_gguf",
     "load_real_model",
     "resolve_model",
@@ -181,6 +182,22 @@ def convert_gguf(gguf: str | Path, out: str | Path) -> Path:
         if staging.exists():
             shutil.rmtree(staging)
     return out
+
+
+def check_model(name_or_path: str | Path) -> None:
+    """Raise what `resolve_model` would for a name, file or folder that cannot be loaded, without converting or
+    loading anything (for a command line to refuse it before any work)."""
+    text = str(name_or_path)
+    if text in REAL_MODELS:
+        REAL_MODELS[text].gguf_path()
+    elif text.endswith(".gguf"):
+        if not Path(text).is_file():
+            raise FileNotFoundError(f"{text} is not a file")
+    elif not (Path(text) / "config.json").is_file():
+        raise ValueError(
+            f"must be one of {sorted(REAL_MODELS)}, a .gguf file or a transformers model folder (with a config.json); "
+            f"got {text!r}"
+        )
 
 
 def resolve_model(name_or_path: str | Path, cache: str | Path | None = None) -> Path:
