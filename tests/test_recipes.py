@@ -76,7 +76,7 @@ def test_flags_of_all_three_parse_together_over_the_preset_defaults(tmp_path):
 
 
 def test_a_bad_arm_name_in_python_is_an_error_that_names_the_flag_and_the_arms():
-    with pytest.raises(ValueError, match=r"--arm must be one of int8, gnmr, bf16; got 'fp8'"):
+    with pytest.raises(ValueError, match=r"--arm must be one of int8, gnmr, gnmr_cause, bf16; got 'fp8'"):
         recipe().FinetuneArguments(arm="fp8")
 
 
