@@ -176,3 +176,21 @@ def test_the_demo_runs_on_a_real_model_flag(tiny_gguf, tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--model", str(tmp_path / "none")])
     assert exit_info.value.code == 2
+
+
+def test_a_pretraining_recipe_continues_training_a_real_model_in_its_own_tokens(tiny_gguf, tmp_path, monkeypatch):
+    """`--model` in the pretraining recipes: the GGUF's weights (the same in both arms), its tokenizer's ids of the
+    corpus, both arms over its 15 act_quant linears (14 projections and the head tied to the embedding)."""
+    from gnmr_hf.experiments.pretrain import load_corpus, parse_recipe_arguments, retokenize, run_recipe
+
+    monkeypatch.setenv("GNMR_HF_CACHE", str(tiny_gguf[1]))
+    argv = ["--preset", "tiny", "--model", str(tiny_gguf[0]), "--arms", "static_low", "gnmr_cause"]
+    args, pretrain, config = parse_recipe_arguments(
+        [*argv, "--max_steps", "2", "--eval_steps", "2", "--output_dir", str(tmp_path), "--plot", "False"],
+        backend="act_quant",
+    )
+    results = run_recipe(args, pretrain, config)
+    assert [r["units"] for r in results] == [15, 15]
+    assert results[0]["model"]["model"] == str(tiny_gguf[0])
+    corpus = retokenize(load_corpus("stdlib", 200_000), str(tiny_gguf[0]))
+    assert corpus.train.dtype == torch.int32 and int(corpus.train.max()) < 256 + 33

@@ -83,7 +83,9 @@ __all__ = [
     "oracle_mean_gaps",
     "parse_recipe_arguments",
     "plot_loss_curves",
+    "recipe_model",
     "results_table",
+    "retokenize",
     "run_arm",
     "run_comparison",
     "run_recipe",
@@ -141,6 +143,22 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 
+# Continued training of a real pretrained model (`--model smollm2-135m`): its own tokenizer, the stdlib corpus, a
+# fine-tuning learning rate; sized so that one arm takes ~10 minutes on one CPU thread.
+PRESETS["real"] = {
+    "model": {"d_model": 576, "n_layers": 30, "n_heads": 9, "seq_len": 128},
+    "data": {"corpus_bytes": 3_000_000, "eval_blocks": 32},
+    "training": {
+        "max_steps": 100,
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 8,
+        "learning_rate": 1e-4,
+        "warmup_steps": 5,
+        "eval_steps": 50,
+        "logging_steps": 5,
+    },
+}
+
 # Fixed for every arm and preset (the reference's recipe); the command line can still override them.
 _TRAINING_FIXED: dict[str, Any] = {
     "lr_scheduler_type": "cosine",
@@ -171,6 +189,15 @@ class PretrainArguments:
         },
     )
     seeds: list[int] = field(default_factory=lambda: [0], metadata={"help": "Model-initialization seeds."})
+    model: str = field(
+        default="scratch",
+        metadata={
+            "help": "scratch: a LLaMA built here from --d_model etc. (byte tokens); or a real pretrained model "
+            "(gnmr_hf.experiments.models: smollm2-135m, a .gguf file or a folder), trained on with its own tokenizer "
+            "from its weights (--d_model, --n_layers, --n_heads then only label the results: --preset real gives "
+            "SmolLM2's)."
+        },
+    )
     corpus: str = field(
         default="stdlib",
         metadata={"help": "'stdlib' (the Python standard library sources), a text file or folder, or 'hf:name'."},
@@ -378,6 +405,33 @@ def llama_config(
     )
 
 
+def recipe_model(pretrain: PretrainArguments, seed: int) -> nn.Module:
+    """The model an arm trains: a fresh LLaMA of `pretrain`'s shape with `seed`, or the real model `pretrain.model`
+    (fp32, its pretrained weights: the same in every seed)."""
+    if pretrain.model == "scratch":
+        return build_model(llama_config(pretrain.d_model, pretrain.n_layers, pretrain.n_heads, pretrain.seq_len), seed)
+    from .models import load_real_model
+
+    return load_real_model(pretrain.model)[0]
+
+
+def retokenize(corpus: Corpus, model: str) -> Corpus:
+    """`corpus` in the tokens of the real model `model`'s tokenizer (int32), for `--model`; as it is for scratch."""
+    if model == "scratch":
+        return corpus
+    from transformers import AutoTokenizer
+
+    from .models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    decode = ByteTokenizer().decode
+
+    def ids(split: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(tokenizer(decode(split)).input_ids, dtype=torch.int32)
+
+    return Corpus(ids(corpus.train), ids(corpus.validation), f"{corpus.source} ({model} tokens)", corpus.documents)
+
+
 def build_model(config: Any, seed: int) -> nn.Module:
     """A freshly initialized `LlamaForCausalLM` (fp32) from `config`; the same seed gives the same weights."""
     from transformers import LlamaForCausalLM
@@ -556,10 +610,12 @@ def run_arm(
 
     out = Path(args.output_dir)
     args = dataclasses.replace(args, seed=seed)
-    model = build_model(llama_config(pretrain.d_model, pretrain.n_layers, pretrain.n_heads, pretrain.seq_len), seed)
+    model = recipe_model(pretrain, seed)
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    # TrainingArguments.data_seed (default 0 here) seeds the batch order, the same in every arm.
-    data_seed = args.data_seed if args.data_seed is not None else 0
+    # TrainingArguments.data_seed (default 0 here) seeds the batch order, the same in every arm. A real model's
+    # weights are the same in every seed, so there the seed draws the batch order instead.
+    default_data_seed = 0 if pretrain.model == "scratch" else seed
+    data_seed = args.data_seed if args.data_seed is not None else default_data_seed
     train = block_dataset(corpus.train, pretrain.seq_len, args.max_steps * batch, data_seed)
     validation = block_dataset(corpus.validation, pretrain.seq_len, pretrain.eval_blocks, None)
     callbacks = arm_callbacks(
@@ -584,7 +640,7 @@ def run_arm(
         "data_seed": data_seed,
         "learning_rate": args.learning_rate,
         "max_steps": args.max_steps,
-        "model": {k: getattr(pretrain, k) for k in ("d_model", "n_layers", "n_heads", "seq_len")},
+        "model": {k: getattr(pretrain, k) for k in ("model", "d_model", "n_layers", "n_heads", "seq_len")},
         "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint(), "train_bytes": len(corpus.train)},
         "backend": None if arm == "reference" else config.backend,
         "backend_options": None if arm == "reference" else config.backend_options,
@@ -874,7 +930,7 @@ def unit_names(pretrain: PretrainArguments, config: GNMRConfig) -> list[str]:
     """The names of the units `config` finds on this recipe's model (built once, then dropped)."""
     from ..registry import find_units
 
-    model = build_model(llama_config(pretrain.d_model, pretrain.n_layers, pretrain.n_heads, pretrain.seq_len), 0)
+    model = recipe_model(pretrain, 0)
     units = find_units(
         model, config.backend, include=config.include, exclude=config.exclude, backend_options=config.backend_options
     )
@@ -893,7 +949,7 @@ def run_recipe(args: TrainingArguments, pretrain: PretrainArguments, config: GNM
     except ValueError as err:
         fail(str(err))
     logger.info("arms %s, seeds %s -> %s", " ".join(pretrain.arms), pretrain.seeds, args.output_dir)
-    corpus = load_corpus(pretrain.corpus, pretrain.corpus_bytes)
+    corpus = retokenize(load_corpus(pretrain.corpus, pretrain.corpus_bytes), pretrain.model)
     logger.info(
         "corpus %s: %d documents, %d training bytes, %d validation bytes (fingerprint %s); %s options %s",
         corpus.source,
