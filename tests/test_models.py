@@ -192,5 +192,9 @@ def test_a_pretraining_recipe_continues_training_a_real_model_in_its_own_tokens(
     results = run_recipe(args, pretrain, config)
     assert [r["units"] for r in results] == [15, 15]
     assert results[0]["model"]["model"] == str(tiny_gguf[0])
+    from gnmr_hf.experiments.pretrain import results_table
+
+    static_high = {**results[0], "arm": "static_high"}
+    assert "nats/token" in results_table([results[0], static_high])
     corpus = retokenize(load_corpus("stdlib", 200_000), str(tiny_gguf[0]))
     assert corpus.train.dtype == torch.int32 and int(corpus.train.max()) < 256 + 33

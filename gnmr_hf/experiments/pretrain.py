@@ -709,7 +709,7 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
     high = {r["seed"]: r["final_eval_loss"] for r in by_arm.get("static_high", [])}
     header = ["arm", "seeds", "val loss", "val ppl", "gap closed", "unit-steps recovered", "exceedance", "s/step"]
     lines = ["| " + " | ".join([*header, "saved MB/step"]) + " |", "|---" * (len(header) + 1) + "|"]
-    note, in_noise = _gap_note(low, high)
+    note, in_noise = _gap_note(low, high, _loss_unit(results))
     for arm, runs in by_arm.items():
         losses = [r["final_eval_loss"] for r in runs]
         closed = [
@@ -741,7 +741,13 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines + ([f"\n{note}"] if note else []))
 
 
-def _gap_note(low: dict[int, float], high: dict[int, float]) -> tuple[str, bool]:
+def _loss_unit(results: Sequence[dict[str, Any]]) -> str:
+    """What the losses are per: a byte for models built here, a token of its tokenizer for a real model."""
+    real = any(r["model"].get("model", "scratch") != "scratch" for r in results)
+    return "nats/token" if real else "nats/byte"
+
+
+def _gap_note(low: dict[int, float], high: dict[int, float], unit: str = "nats/byte") -> tuple[str, bool]:
     """What the static low -> high gap is against seed-to-seed noise, and whether it is within that noise.
 
     "gap closed" divides by the gap, so a gap no larger than the spread between seeds gives any share (116%, -5%)
@@ -752,7 +758,7 @@ def _gap_note(low: dict[int, float], high: dict[int, float]) -> tuple[str, bool]
         return "", False
     gaps = [low[s] - high[s] for s in seeds]
     gap = statistics.fmean(gaps)
-    text = f"Static low -> high gap: {gap:.4f} nats/byte (seeds {','.join(map(str, seeds))})"
+    text = f"Static low -> high gap: {gap:.4f} {unit} (seeds {','.join(map(str, seeds))})"
     if len(seeds) < 2:
         return text + "; with one seed its noise is unmeasured: read 'gap closed' as indicative only.", False
     noise = max((max(d[s] for s in seeds) - min(d[s] for s in seeds)) / 2 for d in (low, high))
@@ -786,7 +792,7 @@ def plot_loss_curves(results: Sequence[dict[str, Any]], path: str | Path, title:
                 mean = smooth
             seeds = f"seed {runs[0]['seed']}" if len(runs) == 1 else f"mean of {len(runs)} seeds"
             ax.plot(steps, mean, label=f"{arm} ({seeds})")
-    ax_eval.set(xlabel="optimizer step", ylabel="validation loss (nats/byte)", title="validation")
+    ax_eval.set(xlabel="optimizer step", ylabel=f"validation loss ({_loss_unit(results)})", title="validation")
     ax_train.set(xlabel="optimizer step", ylabel="training loss (EMA 0.8)", title="training")
     for ax in (ax_eval, ax_train):
         ax.grid(alpha=0.3)
