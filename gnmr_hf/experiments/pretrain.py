@@ -743,7 +743,7 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
 
 def _loss_unit(results: Sequence[dict[str, Any]]) -> str:
     """What the losses are per: a byte for models built here, a token of its tokenizer for a real model."""
-    real = any(r["model"].get("model", "scratch") != "scratch" for r in results)
+    real = any(r.get("model", {}).get("model", "scratch") != "scratch" for r in results)
     return "nats/token" if real else "nats/byte"
 
 
