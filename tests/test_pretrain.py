@@ -118,6 +118,17 @@ def test_the_first_last_carve_out_alternates_the_end_layers():
         "model.layers.3.self_attn",
         "model.layers.0.mlp.up_proj",
     ]
+    # A budget past the two end layers widens inward from both ends: layers 0 and 3, then 1 and 2.
+    assert first_last_units(names, 8)[6:] == ["model.layers.1.self_attn", "model.layers.2.self_attn"]
+    assert len(set(first_last_units(names, 12))) == 12
+    with pytest.raises(ValueError, match=r"count must be in 0\.\.12"):
+        first_last_units(names, 13)
+    odd = [n for n in names if ".3." not in n]  # layers 0..2: the middle layer comes last, once
+    assert first_last_units(odd, 9)[6:] == [
+        "model.layers.1.self_attn",
+        "model.layers.1.mlp.up_proj",
+        "model.layers.1.mlp.down_proj",
+    ]
 
 
 def test_the_best_static_carve_out_takes_the_largest_mean_gaps():

@@ -186,8 +186,11 @@ _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 
 
 def first_last_units(names: Sequence[str], count: int) -> list[str]:
-    """`count` unit names from the first and the last layer, alternating (first layer's first unit, last layer's
-    first unit, ...), in unit order within a layer. Layers are read from ``layers.<i>.`` in the names."""
+    """`count` unit names from the end layers inward: the first and the last layer, alternating (first layer's first
+    unit, last layer's first unit, ...) in unit order within a layer, then the second and the second-to-last layer the
+    same way, and so on. A budget larger than the two end layers (NVIDIA's NVFP4 recipe keeps ~15% of a real model's
+    linears high, 4-5 of SmolLM2's 30 layers) widens the carve-out from both ends, the way such recipes widen it.
+    Layers are read from ``layers.<i>.`` in the names."""
     layers: dict[int, list[str]] = {}
     for name in names:
         match = _LAYER.search(name)
@@ -195,12 +198,16 @@ def first_last_units(names: Sequence[str], count: int) -> list[str]:
             layers.setdefault(int(match.group(1)), []).append(name)
     if not layers:
         raise ValueError("first_last_units: no unit name has a layer index ('layers.<i>.')")
-    first, last = layers[min(layers)], layers[max(layers)]
-    order = [n for pair in zip(first, last, strict=False) for n in pair]
-    longer = first if len(first) > len(last) else last
-    order += longer[min(len(first), len(last)) :]
-    if min(layers) == max(layers):
-        order = first
+    ids = sorted(layers)
+    order: list[str] = []
+    for i in range((len(ids) + 1) // 2):
+        first, last = layers[ids[i]], layers[ids[-1 - i]]
+        if first is last:  # the middle layer of an odd count
+            order += first
+            continue
+        order += [n for pair in zip(first, last, strict=False) for n in pair]
+        longer = first if len(first) > len(last) else last
+        order += longer[min(len(first), len(last)) :]
     if not 0 <= count <= len(order):
         raise ValueError(f"first_last_units: count must be in 0..{len(order)}, got {count}")
     return order[:count]
