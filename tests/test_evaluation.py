@@ -8,6 +8,7 @@ takes ~15 s, and the CLI test pays it once, on the real path, as a user would.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -310,6 +311,14 @@ def test_model_sources_of_a_finetune_output_dir(tiny_dir, adapter_run, tmp_path)
         json.dumps({"base_model": str(tiny_dir), "adapter": str(adapter_run), "load_in_8bit": True})
     )
     assert resolve_model_source(tmp_path).load_in_8bit and not source.load_in_8bit
+    assert resolve_model_source(tmp_path).llm_int8_threshold == 6.0  # bitsandbytes' default when unrecorded
+    # ... and with which outlier threshold (0.0: pure INT8), so that evaluation scores the model that was trained.
+    (tmp_path / RUN_FILE).write_text(
+        json.dumps(
+            {"base_model": str(tiny_dir), "adapter": str(adapter_run), "load_in_8bit": True, "llm_int8_threshold": 0}
+        )
+    )
+    assert resolve_model_source(tmp_path).llm_int8_threshold == 0.0
     # A fine-tune that saved its tokenizer beside the adapter (it may have added tokens) is read with that one.
     with_tokenizer = tmp_path / "with_tokenizer"
     with_tokenizer.mkdir()
@@ -336,6 +345,10 @@ def test_load_in_8bit_on_cpu(tiny_dir, task_manager):
 
     model, _ = load_model(resolve_model_source(str(tiny_dir)), load_in_8bit=True, device="cpu")
     assert any(isinstance(module, Linear8bitLt) for module in model.modules())
+    assert {m.state.threshold for m in model.modules() if isinstance(m, Linear8bitLt)} == {6.0}
+    pure = dataclasses.replace(resolve_model_source(str(tiny_dir)), llm_int8_threshold=0.0)
+    model, _ = load_model(pure, load_in_8bit=True, device="cpu")
+    assert {m.state.threshold for m in model.modules() if isinstance(m, Linear8bitLt)} == {0.0}
     results = _perplexity(str(tiny_dir), load_in_8bit=True, task_manager=task_manager)
     assert results["metadata"]["load_in_8bit"]
     assert math.isfinite(results["results"][PERPLEXITY_TASK]["bits_per_byte,none"])

@@ -78,6 +78,8 @@ def test_flags_of_all_three_parse_together_over_the_preset_defaults(tmp_path):
 def test_a_bad_arm_name_in_python_is_an_error_that_names_the_flag_and_the_arms():
     with pytest.raises(ValueError, match=r"--arm must be one of int8, gnmr, gnmr_cause, bf16; got 'fp8'"):
         recipe().FinetuneArguments(arm="fp8")
+    with pytest.raises(ValueError, match=r"--llm_int8_threshold must be >= 0 .*; got -1.0"):
+        recipe().FinetuneArguments(arm="int8", llm_int8_threshold=-1.0)
 
 
 def test_a_bad_arm_name_on_the_command_line_lists_the_arms(capsys):
@@ -160,7 +162,8 @@ def arms(tmp_path_factory) -> dict[str, Path]:
     which checks rank agreement with itself (one rank) and has thresholds low enough to flip units."""
     root = tmp_path_factory.mktemp("arms")
     for arm in ("int8", "gnmr", "bf16"):
-        extra = ["--max_steps", "2"]
+        # The int8 arm runs pure INT8 (no LLM.int8() outlier decomposition), as users set it for speed.
+        extra = ["--max_steps", "2", *(["--llm_int8_threshold", "0"] if arm == "int8" else [])]
         if arm == "gnmr":
             extra = ["--max_steps", str(STEPS), *ACTIVE_GNMR, "--check_rank_agreement"]
         assert recipe().main(["--arm", arm, *SLICE, *extra, "--output_dir", str(root / arm)]) == 0
@@ -174,6 +177,7 @@ def test_each_arm_writes_its_adapter_tokenizer_and_run_file(arms):
         run = json.loads((out / "gnmr_run.json").read_text())
         assert run["base_model"] == str((out / "base_model").resolve())
         assert (run["arm"], run["load_in_8bit"], run["adapter"]) == (arm, arm != "bf16", ".")
+        assert run["llm_int8_threshold"] == (0.0 if arm == "int8" else 6.0)
         assert json.loads((out / "train_results.json").read_text())["train_loss"] > 0
         assert (out / "gnmr_trace.jsonl").exists() == (arm == "gnmr")
 

@@ -152,6 +152,9 @@ class ModelSource:
     tokenizer: str
     # What a fine-tune's gnmr_run.json says the base was trained in (its int8 and gnmr arms load it in 8-bit).
     load_in_8bit: bool = False
+    # bitsandbytes' LLM.int8() outlier threshold the base was trained with (gnmr_run.json; its default 6.0 when
+    # absent): 0.0 is pure INT8, and evaluating such a fine-tune with outlier decomposition would score another model.
+    llm_int8_threshold: float = 6.0
 
 
 def resolve_model_source(
@@ -190,7 +193,11 @@ def resolve_model_source(
             raise ValueError(f"adapter={str(adapter)!r} given, but {run_file} already names adapter={run_adapter!r}")
         chosen = adapter if adapter is not None else (path / run_adapter if run_adapter is not None else path)
         source = _with_adapter(str(spec["base_model"]), _checked_adapter(chosen))
-        return dataclasses.replace(source, load_in_8bit=bool(spec.get("load_in_8bit", False)))
+        return dataclasses.replace(
+            source,
+            load_in_8bit=bool(spec.get("load_in_8bit", False)),
+            llm_int8_threshold=float(spec.get("llm_int8_threshold", 6.0)),
+        )
 
     adapter_config = path / "adapter_config.json"
     if adapter_config.is_file():
@@ -257,7 +264,9 @@ def load_model(
     if load_in_8bit:
         import torch
 
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_8bit=True, llm_int8_threshold=source.llm_int8_threshold
+        )
         # bitsandbytes' 8-bit matmul computes in fp16: a base in another dtype (a checkpoint saved in fp32) would
         # have its inputs cast on every call, with a warning each time.
         kwargs["dtype"] = torch.float16
@@ -396,6 +405,7 @@ def evaluate_model(
         "model": source.base if source else getattr(hf_model, "name_or_path", type(hf_model).__name__),
         "adapter": source.adapter if source else None,
         "load_in_8bit": bool(load_in_8bit),
+        "llm_int8_threshold": source.llm_int8_threshold if source and load_in_8bit else None,
         "tasks_requested": task_list,
         "tasks_run": list(plan.values()),
         "task_map": plan,
@@ -528,7 +538,10 @@ def write_results(results: dict[str, Any], output_dir: str | os.PathLike[str]) -
         "",
         f"- tasks run: {', '.join(meta['tasks_run'])}",
         f"- offline: {meta['offline']}" + (f" ({meta['offline_reason']})" if meta["offline"] else ""),
-        f"- num_fewshot: {meta['num_fewshot']}; limit: {meta['limit']}; 8-bit: {meta['load_in_8bit']}",
+        f"- num_fewshot: {meta['num_fewshot']}; limit: {meta['limit']}; 8-bit: {meta['load_in_8bit']}"
+        + (
+            f" (llm_int8_threshold {meta['llm_int8_threshold']})" if meta.get("llm_int8_threshold") is not None else ""
+        ),
         f"- lm-eval {meta['lm_eval_version']}, transformers {meta['transformers_version']}",
         "",
     ]
