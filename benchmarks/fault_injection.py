@@ -23,7 +23,11 @@ gradient reads `--factor` times its value on every `--stride`-th token in its dg
 Arms: `clean` (static low-cost, no fault: what the faults cost), `static_low` (faults, nothing reacts), `gnmr`
 (faults, GNMR), `global_z` (faults, a ZClip-style z-score of the total gradient norm, recovering the `max_active`
 units with the largest norms for `lock_steps` steps when it fires: GNMR's budget), `gnmr_cause` (faults, the cause
-policy: a fault shows in the faulty unit's fidelity, measured in recovery too, so it is held while the fault lasts).
+policy: a fault shows in the faulty unit's fidelity, measured in recovery too, so it is held while the fault lasts),
+and the stabilizers (`zclip`, `spam`, `stable_spam`, `adagc`, `skip_step`, `gnmr_cause_zclip`, every unit on the
+cheap path but in the last; `gnmr_hf.experiments.stabilizers`; `--stabilizer_options` for a tuned setting), which
+act on the update in the step itself: for them the table also says at how many faults' first step they acted
+(clipped or skipped), during how many faults, and on how many steps without a fault.
 Reported per arm over seeds and
 faults: how often the faulty unit runs on the recovery path at the step after the fault's first step, the delay
 from the fault's first step to its first recovered step (within the fault and `lock_steps` after), recoveries
@@ -45,9 +49,10 @@ from transformers import TrainerCallback
 from gnmr_hf import GNMRConfig
 from gnmr_hf.backends.block_fp import FAULT_OPERANDS
 from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
+from gnmr_hf.experiments.stabilizers import STABILIZER_ARMS
 from gnmr_hf.trace import read_trace
 
-ARMS = ("clean", "static_low", "gnmr", "global_z", "gnmr_cause")
+ARMS = ("clean", "static_low", "gnmr", "global_z", "gnmr_cause", *STABILIZER_ARMS)
 
 
 class FaultInjector(TrainerCallback):
@@ -113,6 +118,18 @@ def detection(schedule: list[tuple[int, int]], trace: Path, duration: int, lock_
     }
 
 
+def stabilizer_acted(schedule: list[tuple[int, int]], acted_steps: list[int], duration: int) -> dict[str, int]:
+    """How a stabilizer's actions (the steps it clipped or skipped) line up with the faults: at a fault's first step
+    (a stabilizer acts on the step's own update), at any step of a fault, and at steps without one."""
+    acted = set(acted_steps)
+    faulty = {s for start, _ in schedule for s in range(start, start + duration)}
+    return {
+        "acted_first_step": sum(start in acted for start, _ in schedule),
+        "acted_during": sum(any(s in acted for s in range(start, start + duration)) for start, _ in schedule),
+        "acted_elsewhere": len(acted - faulty),
+    }
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__.split("\n\n")[0], ARMS)
     parser.add_argument("--faults", type=int, default=6)
@@ -132,6 +149,9 @@ def main() -> None:
     parser.add_argument(
         "--fault_operand", choices=FAULT_OPERANDS, help="block_fp: the operand whose copy the fault corrupts (input)"
     )
+    parser.add_argument(
+        "--stabilizer_options", default="", help="the stabilizer arms' method options beyond its defaults, 'k=v,...'"
+    )
     cli = parser.parse_args()
     for backend, options in defaults.items():
         for name, default in options.items():
@@ -142,6 +162,11 @@ def main() -> None:
 
     root = Path(cli.output_dir)
     args, pretrain = benchmark_arguments(cli)
+    try:  # the stabilizer arms' packages and options, checked before the first arm trains
+        stabilizers = [a for a in cli.arms if a in STABILIZER_ARMS] or ["static_low"]
+        pretrain = dataclasses.replace(pretrain, arms=stabilizers, stabilizer_options=cli.stabilizer_options)
+    except ValueError as err:
+        parser.error(str(err))
     if cli.backend == "act_quant":
         options = {"low_bits": cli.low_bits, "high_bits": cli.high_bits, "scaling": "row"}
     else:
@@ -176,6 +201,9 @@ def main() -> None:
                 schedule = injectors[0].schedule
                 row.update(detection(schedule, out / config.trace_file, cli.duration, config.lock_steps))
                 row["schedule"] = schedule
+                if "stabilizer" in result:
+                    row["stabilizer"] = result["stabilizer"]
+                    row.update(stabilizer_acted(schedule, result["stabilizer"]["acted_steps"], cli.duration))
             rows.append(row)
             (root / "fault_results.json").write_text(json.dumps(rows, indent=1))
             print(json.dumps({k: v for k, v in row.items() if k != "schedule"}))
@@ -184,11 +212,15 @@ def main() -> None:
 
 
 def fault_table(rows: list[dict[str, Any]]) -> str:
-    """One row per arm, over seeds: faults caught at the next step, delays, wasted recoveries, final loss."""
+    """One row per arm, over seeds: faults caught at the next step, delays, wasted recoveries, final loss; with
+    stabilizer arms, at how many faults' first step and during how many faults each acted, and on how many other
+    steps (`stabilizer_acted`)."""
+    stabilized = any("stabilizer" in row for row in rows)
+    extra = " stabilizer acted: fault's first step / during the fault / other steps |" if stabilized else ""
     lines = [
         "| arm | seeds | faults | in recovery at the next step | mean delay (steps) | entries on healthy units "
-        "| unit-steps in recovery | val loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| unit-steps in recovery | val loss |" + extra,
+        "|---|---|---|---|---|---|---|---|" + ("---|" if stabilized else ""),
     ]
     by_arm: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -197,8 +229,13 @@ def fault_table(rows: list[dict[str, Any]]) -> str:
         losses = [r["final_eval_loss"] for r in runs]
         loss = f"{statistics.fmean(losses):.4f} ± {(max(losses) - min(losses)) / 2:.4f}"
         seeds = ",".join(str(r["seed"]) for r in runs)
+        acted = "-"
+        if "stabilizer" in runs[0]:
+            acted = " / ".join(str(sum(r[k] for r in runs)) for k in ("acted_first_step", "acted_during"))
+            acted = f"{acted} of {sum(r['faults'] for r in runs)} / {sum(r['acted_elsewhere'] for r in runs)}"
+        tail = f" {acted} |" if stabilized else ""
         if "faults" not in runs[0]:
-            lines.append(f"| {arm} | {seeds} | 0 | - | - | - | - | {loss} |")
+            lines.append(f"| {arm} | {seeds} | 0 | - | - | - | - | {loss} |" + tail)
             continue
         faults = sum(r["faults"] for r in runs)
         caught = sum(r["caught_next_step"] for r in runs)
@@ -207,7 +244,7 @@ def fault_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {arm} | {seeds} | {faults} | {caught}/{faults} | {delay} | "
             f"{sum(r['entries_on_healthy_units'] for r in runs)}/{sum(r['entries'] for r in runs)} | "
-            f"{sum(r['unit_steps_in_recovery'] for r in runs)} | {loss} |"
+            f"{sum(r['unit_steps_in_recovery'] for r in runs)} | {loss} |" + tail
         )
     return "\n".join(lines)
 

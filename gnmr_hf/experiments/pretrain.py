@@ -22,7 +22,9 @@ same code path, and differ only in precision policy. This module provides exactl
   `static_high`, `gnmr`, `gnmr_relapse` (the relapse-aware lock), `gnmr_cause` (the cause policy), `random`,
   `carve_first_last`, `carve_best`,
   `carve_named` (units chosen by regex) and `global_z` — every arm but the reference runs `GNMRCallback`'s code path
-  over the same units (`gnmr_hf.experiments.baselines`).
+  over the same units (`gnmr_hf.experiments.baselines`); and the stabilizers users reach for first, every unit on
+  the cheap path (`zclip`, `spam`, `stable_spam`, `adagc`, `skip_step`, and `gnmr_cause_zclip`:
+  `gnmr_hf.experiments.stabilizers`), run only when named in `arms`.
 - **Measurement** (`StepMeter`, `SavedTensorMeter`, `run_arm`): seconds per optimizer step (median), bytes saved for
   backward per step (through torch's saved-tensor hooks, so they are the tensors autograd really keeps), the final
   validation loss, the recovery fraction and exceedance rate from the GNMR trace; one `result.json` per run.
@@ -62,6 +64,7 @@ from .baselines import (
     RandomPolicy,
     StaticPolicy,
 )
+from .stabilizers import STABILIZER_ARMS, describe, missing_package, parse_options, stabilizer_for
 
 __all__ = [
     "ARMS",
@@ -107,6 +110,7 @@ ARMS = (
     "carve_best",
     "carve_named",
     "global_z",
+    *STABILIZER_ARMS,
 )
 # Arms whose budget (average number of recovered units) is GNMR's, read from the gnmr run of the same seed.
 BUDGET_ARMS = ("random", "carve_first_last", "carve_best")
@@ -185,7 +189,7 @@ class PretrainArguments:
         default=None,
         metadata={
             "help": f"Arms to run, in order, from {list(ARMS)}. Default: every arm the other flags allow (carve_best "
-            "with --oracle_every, carve_named with --carve_named)."
+            "with --oracle_every, carve_named with --carve_named; the stabilizer arms only when named)."
         },
     )
     seeds: list[int] = field(default_factory=lambda: [0], metadata={"help": "Model-initialization seeds."})
@@ -230,6 +234,13 @@ class PretrainArguments:
             "(N + 2 passes per probe instead of 2; gnmr_hf.experiments.oracle.recovery_benefits)."
         },
     )
+    stabilizer_options: str = field(
+        default="",
+        metadata={
+            "help": "Keyword arguments of the stabilizer arms' method beyond its authors' defaults, 'k=v,k=v' (e.g. "
+            "'update_proj_gap=100' for spam): a tuned setting (gnmr_hf.experiments.stabilizers)."
+        },
+    )
     plot: bool = field(default=True, metadata={"help": "Write loss_curves.png beside results.md."})
 
     def __post_init__(self) -> None:
@@ -239,7 +250,9 @@ class PretrainArguments:
             self.arms = [
                 arm
                 for arm in ARMS
-                if (arm != "carve_best" or self.oracle_every > 0) and (arm != "carve_named" or self.carve_named)
+                if (arm != "carve_best" or self.oracle_every > 0)
+                and (arm != "carve_named" or self.carve_named)
+                and arm not in STABILIZER_ARMS
             ]
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown:
@@ -259,6 +272,11 @@ class PretrainArguments:
             raise ValueError("PretrainArguments.oracle_benefits needs --oracle_every K > 0 (the probes it adds to)")
         if "carve_named" in self.arms and not self.carve_named:
             raise ValueError("arm carve_named needs --carve_named REGEX ... (the units it keeps on the recovery path)")
+        parse_options(self.stabilizer_options)
+        for arm in self.arms:
+            package = missing_package(arm)
+            if package:
+                raise ValueError(f"arm {arm} needs the {package} package: pip install -e '.[stabilizers]'")
 
 
 # ------------------------------------------------------------------------------------------------ corpus
@@ -572,6 +590,10 @@ def arm_callbacks(
         return [GNMRCallback(dataclasses.replace(config, policy="cause"))]
     if arm in ("static_low", "static_high"):
         return [GNMRCallback(config, selection=StaticPolicy(high=arm == "static_high"))]
+    if arm in STABILIZER_ARMS:  # the units' part; run_arm adds the stabilizer (its callbacks and optimizer)
+        if arm == "gnmr_cause_zclip":
+            return [GNMRCallback(dataclasses.replace(config, policy="cause"))]
+        return [GNMRCallback(config, selection=StaticPolicy(high=False))]
     if arm == "global_z":
         return [GNMRCallback(config, selection=GlobalZScorePolicy(config.max_active, config.lock_steps))]
     if arm == "carve_best":
@@ -603,6 +625,9 @@ def run_arm(
 ) -> dict[str, Any]:
     """Train one arm from scratch with one seed in `args.output_dir`, evaluate it, write and return `result.json`.
 
+    A stabilizer arm (`STABILIZER_ARMS`) adds its method's callbacks and optimizer and sets the Trainer's own
+    clipping as the method asks (`gnmr_hf.experiments.stabilizers`); what it did is the result's `stabilizer`.
+
     `extra_callbacks(owner)` adds callbacks that need the arm's unit-owning callback (None for the reference), such
     as a fault injector; they run after the arm's own callbacks and before the step meter.
     """
@@ -626,9 +651,21 @@ def run_arm(
         callbacks.append(
             OracleCallback(owner, train, batch, every=pretrain.oracle_every, benefits=pretrain.oracle_benefits)
         )
+    stabilizer = None
+    if arm in STABILIZER_ARMS:
+        stabilizer = stabilizer_for(arm, args, parse_options(pretrain.stabilizer_options))
+        args = dataclasses.replace(args, max_grad_norm=stabilizer.max_grad_norm)
+        callbacks += stabilizer.callbacks
     meter = StepMeter()
     callbacks += [*(extra_callbacks(owner) if extra_callbacks is not None else ()), meter]
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=validation, callbacks=callbacks)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=validation,
+        callbacks=callbacks,
+        optimizer_cls_and_kwargs=stabilizer.optimizer_cls_and_kwargs if stabilizer is not None else None,
+    )
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -654,6 +691,8 @@ def run_arm(
     }
     if owner is not None:
         result.update(_trace_facts(out / config.trace_file, owner))
+    if stabilizer is not None:
+        result["stabilizer"] = stabilizer.record()
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
@@ -701,14 +740,16 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
     """A markdown table, one row per arm, over its seeds: mean ± half-range of the final validation loss,
     perplexity (per byte), the share of the static low -> static high loss gap closed (per seed, then averaged;
     needs both static arms with the same seed), unit-steps recovered, exceedance rate, seconds per step and MB
-    saved for backward per step."""
+    saved for backward per step; with stabilizer arms, what each did (summed over its seeds)."""
     by_arm: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
     low = {r["seed"]: r["final_eval_loss"] for r in by_arm.get("static_low", [])}
     high = {r["seed"]: r["final_eval_loss"] for r in by_arm.get("static_high", [])}
     header = ["arm", "seeds", "val loss", "val ppl", "gap closed", "unit-steps recovered", "exceedance", "s/step"]
-    lines = ["| " + " | ".join([*header, "saved MB/step"]) + " |", "|---" * (len(header) + 1) + "|"]
+    stabilized = any("stabilizer" in r for r in results)
+    header += ["saved MB/step", *(["stabilizer did"] if stabilized else [])]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     note, in_noise = _gap_note(low, high, _loss_unit(results))
     for arm, runs in by_arm.items():
         losses = [r["final_eval_loss"] for r in runs]
@@ -734,11 +775,21 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
                     f"{statistics.fmean(exceed):.3%}" if exceed else "-",
                     f"{statistics.fmean(r['sec_per_step'] for r in runs):.3f}",
                     f"{statistics.fmean(r['saved_bytes_per_step'] for r in runs) / 2**20:.1f}",
+                    *([_stabilizer_cell(runs)] if stabilized else []),
                 ]
             )
             + " |"
         )
     return "\n".join(lines + ([f"\n{note}"] if note else []))
+
+
+def _stabilizer_cell(runs: Sequence[dict[str, Any]]) -> str:
+    records = [r["stabilizer"] for r in runs if "stabilizer" in r]
+    if not records:
+        return "-"
+    total = {k: sum(r[k] for r in records) for k, v in records[0].items() if isinstance(v, int) and k in records[-1]}
+    options = records[0]["options"]
+    return describe(total) + (f" ({','.join(f'{k}={v}' for k, v in options.items())})" if options else "")
 
 
 def _loss_unit(results: Sequence[dict[str, Any]]) -> str:
