@@ -23,8 +23,16 @@ the units with the largest mean oracle gap of the gnmr run (needs `--oracle_ever
     python recipes/pretrain_actquant.py --preset tiny --output_dir runs/pt_carve --arms carve_named \
         --backend_options 'kinds=linear;attention' --carve_named 'self_attn$'
 
+The stabilizers users reach for first (`zclip`, `spam`, `stable_spam`, `adagc`, `skip_step`: every unit at 4 bits,
+the update changed instead; and `gnmr_cause_zclip`; `gnmr_hf.experiments.stabilizers` says how each is hooked into the
+Trainer; `pip install -e '.[stabilizers]'`) run only when named, their own knobs at their authors' defaults unless
+`--stabilizer_options` gives others:
+
+    python recipes/pretrain_actquant.py --preset tiny --output_dir runs/pt_stab \\
+        --arms zclip spam stable_spam adagc skip_step gnmr_cause_zclip
+
 Without `--arms`, every arm runs that the other flags allow: carve_best only with `--oracle_every`, carve_named only
-with `--carve_named`. The whole arm list is checked before the first arm trains.
+with `--carve_named`, the stabilizers only when named. The whole arm list is checked before the first arm trains.
 
 Flags: `TrainingArguments` (a preset fills every one not given: steps, batch, learning rate, warm-up, evaluation;
 AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the CPU),

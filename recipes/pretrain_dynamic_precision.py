@@ -17,9 +17,11 @@ closed, the fraction of unit-steps recovered, seconds per step) and `loss_curves
 Arms (`--arms`): reference (the plain FP32 model, no units: the 16-bit-or-better reference), static_high (every unit
 on `high_format`, FP8 e4m3 by default), static_low (every unit on `low_format`, FP6 e3m2 by default), gnmr,
 gnmr_relapse, random and carve_first_last (GNMR's mean budget of the same seed, so run gnmr first, or give
-`--budget`), carve_best (the units with the largest oracle gaps of the gnmr run; needs `--oracle_every`), global_z.
+`--budget`), carve_best (the units with the largest oracle gaps of the gnmr run; needs `--oracle_every`), global_z,
+and the stabilizers users reach for first, every unit on `low_format` (zclip, spam, stable_spam, adagc, skip_step; and
+gnmr_cause_zclip: `gnmr_hf.experiments.stabilizers`, `pip install -e '.[stabilizers]'`).
 Without `--arms`, every arm runs that the other flags allow (carve_best only with `--oracle_every`, carve_named only
-with `--carve_named`); the whole arm list is checked before the first arm trains.
+with `--carve_named`, the stabilizers only when named); the whole arm list is checked before the first arm trains.
 
 Flags: `TrainingArguments` (the preset fills every one not given: steps, batch, learning rate, warm-up, evaluation;
 AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the CPU),
