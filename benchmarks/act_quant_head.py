@@ -18,12 +18,15 @@ import argparse
 import statistics
 import time
 
-import torch
-import torch.nn.functional as F
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf.backends.act_quant import ChunkedHeadLoss, QuantSavedLinear, SaveCache, SaveSpec
-from gnmr_hf.experiments.pretrain import SavedTensorMeter
-from gnmr_hf.quant import quantize_absmax, quantized_nbytes
+with quiet_unused_imports("act_quant"):
+    import torch
+    import torch.nn.functional as F
+
+    from gnmr_hf.backends.act_quant import ChunkedHeadLoss, QuantSavedLinear, SaveCache, SaveSpec
+    from gnmr_hf.experiments.pretrain import SavedTensorMeter
+    from gnmr_hf.quant import quantize_absmax, quantized_nbytes
 
 
 def plain(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,15 @@ import json
 import math
 from dataclasses import dataclass
 
-import torch
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf import find_units
-from gnmr_hf.backends.act_quant import KINDS
-from gnmr_hf.experiments.pretrain import SavedTensorMeter, build_model, llama_config
-from gnmr_hf.quant import quantized_nbytes
+with quiet_unused_imports("act_quant"):
+    import torch
+
+    from gnmr_hf import find_units
+    from gnmr_hf.backends.act_quant import KINDS
+    from gnmr_hf.experiments.pretrain import SavedTensorMeter, build_model, llama_config
+    from gnmr_hf.quant import quantized_nbytes
 
 # The modules of each kind in a LLaMA, by name.
 INCLUDE = {

@@ -20,10 +20,13 @@ import argparse
 import statistics
 import time
 
-import torch
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf import find_units
-from gnmr_hf.experiments.pretrain import build_model, llama_config
+with quiet_unused_imports("act_quant"):
+    import torch
+
+    from gnmr_hf import find_units
+    from gnmr_hf.experiments.pretrain import build_model, llama_config
 
 
 def step_seconds(model: torch.nn.Module, ids: torch.Tensor, steps: int, bf16: bool) -> tuple[float, float]:

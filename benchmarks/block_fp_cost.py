@@ -17,10 +17,13 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf import find_units
-from gnmr_hf.experiments.pretrain import build_model, llama_config
+with quiet_unused_imports("block_fp"):
+    import torch
+
+    from gnmr_hf import find_units
+    from gnmr_hf.experiments.pretrain import build_model, llama_config
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
 # (label, block_fp options or None for the plain model)

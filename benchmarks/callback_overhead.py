@@ -27,12 +27,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf import GNMRCallback, GNMRConfig
-from gnmr_hf.experiments.demo import GradientSpikeCallback, byte_dataset
-from gnmr_hf.experiments.tiny import build_tiny_llama, load_int8_lora, write_local_text
+with quiet_unused_imports("bnb_int8"):
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from gnmr_hf import GNMRCallback, GNMRConfig
+    from gnmr_hf.experiments.demo import GradientSpikeCallback, byte_dataset
+    from gnmr_hf.experiments.tiny import build_tiny_llama, load_int8_lora, write_local_text
 
 MODES = ("plain", "monitor_only", "active")
 

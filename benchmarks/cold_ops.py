@@ -17,7 +17,10 @@ import statistics
 import time
 from collections.abc import Callable
 
-import torch
+from gnmr_hf.cli import quiet_unused_imports
+
+with quiet_unused_imports():
+    import torch
 
 
 def timed(before: Callable[[], object], op: Callable[[], object], repeats: int) -> float:

@@ -31,9 +31,12 @@ import resource
 import statistics
 import time
 
-import torch
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf import GNMRConfig, GNMRController
+with quiet_unused_imports():
+    import torch
+
+    from gnmr_hf import GNMRConfig, GNMRController
 
 TOP_K = 16  # GNMRConfig.trace_top_k's default: what the callback fetches every step
 

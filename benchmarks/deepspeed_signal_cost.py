@@ -21,8 +21,11 @@ import statistics
 import time
 from types import SimpleNamespace
 
-import torch
-import torch.distributed as dist
+from gnmr_hf.cli import quiet_unused_imports
+
+with quiet_unused_imports():
+    import torch
+    import torch.distributed as dist
 
 
 def main() -> None:

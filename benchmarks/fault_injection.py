@@ -44,13 +44,16 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf import GNMRConfig
-from gnmr_hf.backends.block_fp import FAULT_OPERANDS
-from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
-from gnmr_hf.experiments.stabilizers import STABILIZER_ARMS
-from gnmr_hf.trace import read_trace
+with quiet_unused_imports("block_fp"):
+    from transformers import TrainerCallback
+
+    from gnmr_hf import GNMRConfig
+    from gnmr_hf.backends.block_fp import FAULT_OPERANDS
+    from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
+    from gnmr_hf.experiments.stabilizers import STABILIZER_ARMS
+    from gnmr_hf.trace import read_trace
 
 ARMS = ("clean", "static_low", "gnmr", "global_z", "gnmr_cause", *STABILIZER_ARMS)
 

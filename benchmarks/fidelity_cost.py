@@ -35,13 +35,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf import find_units
-from gnmr_hf.backends import act_quant, block_fp
-from gnmr_hf.experiments.pretrain import build_model, llama_config
-from gnmr_hf.signals import UnitSignals
-from gnmr_hf.units import RecoverableUnit
+with quiet_unused_imports():
+    import torch
+
+    from gnmr_hf import find_units
+    from gnmr_hf.backends import act_quant, block_fp
+    from gnmr_hf.experiments.pretrain import build_model, llama_config
+    from gnmr_hf.signals import UnitSignals
+    from gnmr_hf.units import RecoverableUnit
 
 REGIMES = {
     "act_quant attention + linear, 4/8-bit": (

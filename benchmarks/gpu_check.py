@@ -36,10 +36,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import LlamaConfig, TrainerCallback
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf.experiments.tiny import TINY_LLAMA
+with quiet_unused_imports("bnb_int8"):
+    import torch
+    from transformers import LlamaConfig, TrainerCallback
+
+    from gnmr_hf.experiments.tiny import TINY_LLAMA
 
 SIZES = {
     # TinyLlama-1.1B's shape: grouped-query attention (4 KV heads), 154 INT8 linear layers.

@@ -19,12 +19,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import TrainerCallback
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf import GNMRConfig
-from gnmr_hf.backends.block_fp import GemmFormat
-from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
+with quiet_unused_imports("block_fp"):
+    import torch
+    from transformers import TrainerCallback
+
+    from gnmr_hf import GNMRConfig
+    from gnmr_hf.backends.block_fp import GemmFormat
+    from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
 
 ARMS = ("all_low", "head_high", "head_grad_high", "head_fwd_high")
 

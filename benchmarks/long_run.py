@@ -20,10 +20,13 @@ import platform
 import statistics
 import time
 
-import numpy as np
-import torch
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf import GNMRConfig, GNMRController
+with quiet_unused_imports():
+    import numpy as np
+    import torch
+
+    from gnmr_hf import GNMRConfig, GNMRController
 
 
 def rss_mb() -> float:

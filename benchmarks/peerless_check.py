@@ -17,10 +17,13 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import torch
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf.cause import UnitRelations
-from gnmr_hf.trace import read_trace
+with quiet_unused_imports():
+    import torch
+
+    from gnmr_hf.cause import UnitRelations
+    from gnmr_hf.trace import read_trace
 
 
 def peerless_report(path: str) -> list[str]:

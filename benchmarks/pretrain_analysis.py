@@ -25,9 +25,12 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from gnmr_hf.experiments.oracle import oracle_agreement, read_oracle
-from gnmr_hf.experiments.pretrain import load_results, plot_loss_curves, results_table
-from gnmr_hf.trace import read_trace
+from gnmr_hf.cli import quiet_unused_imports
+
+with quiet_unused_imports():
+    from gnmr_hf.experiments.oracle import oracle_agreement, read_oracle
+    from gnmr_hf.experiments.pretrain import load_results, plot_loss_curves, results_table
+    from gnmr_hf.trace import read_trace
 
 
 def reentries(trace: Path) -> tuple[list[str], list[tuple[int, int]], int, int]:

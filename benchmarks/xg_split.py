@@ -27,12 +27,15 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import TrainerCallback
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf import GNMRConfig
-from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
-from gnmr_hf.trace import read_trace
+with quiet_unused_imports("act_quant"):
+    import torch
+    from transformers import TrainerCallback
+
+    from gnmr_hf import GNMRConfig
+    from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
+    from gnmr_hf.trace import read_trace
 
 ARMS = ("gnmr", "gnmr_cause")
 NORMS_FILE = "xg_norms.jsonl"

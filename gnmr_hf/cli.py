@@ -28,10 +28,15 @@ __all__ = [
     "unrecognized",
 ]
 
-# Loggers that speak while transformers imports torchao (it does whenever torchao is installed, for its quantizer
-# registry): CUDA kernels that fail to load on a CPU machine, enum registrations torch calls deprecated. None of it
-# concerns a run whose backend is not torchao's.
-_TORCHAO_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
+# Loggers that speak while their library is imported, each with the one backend whose run they concern. transformers
+# imports torchao whenever it is installed (for its quantizer registry): CUDA kernels that fail to load on a CPU
+# machine, enum registrations torch calls deprecated. bitsandbytes, on a CPU with AVX512-BF16, looks for a 4-bit
+# matmul kernel in the `kernels` package and says when it is missing (its own slower kernel then runs 4-bit layers).
+_IMPORT_LOGGERS = {
+    "torchao": "torchao_float8",
+    "torch.utils._pytree": "torchao_float8",
+    "bitsandbytes.backends.cpu.ops": "bnb_4bit",
+}
 
 # The demo's backends (`gnmr_hf.experiments.demo.DEMO_LOADERS` has a model loader for each); here as names so that
 # parsing the demo's flags imports no model code.
@@ -105,19 +110,23 @@ def check_backend_options(config: Any) -> None:
     from .registry import get_backend
 
     try:
-        get_backend(config.backend).parse_options(config.backend_options)
+        backend = get_backend(config.backend)
+    except ValueError as err:
+        fail(f"--backend: {err}")
+    try:
+        backend.parse_options(config.backend_options)
     except (ValueError, TypeError) as err:
         fail(f"--backend_options: {err}")
 
 
 @contextlib.contextmanager
-def quiet_unused_imports(backend: str) -> Iterator[None]:
-    """Around the heavy imports of a command: hush torchao's import-time messages unless the backend is torchao's
-    (then they may matter), so that the command's own output is what the user reads first."""
-    if backend == "torchao_float8":
-        yield
-        return
-    loggers = [logging.getLogger(name) for name in _TORCHAO_IMPORT_LOGGERS]
+def quiet_unused_imports(backend: str | None = None) -> Iterator[None]:
+    """Around the heavy imports of a command: hush the import-time messages of torchao and bitsandbytes unless
+    they concern `backend` (torchao's for torchao_float8, the 4-bit kernel's for bnb_4bit; None: a command without
+    a backend), so that the command's own output is what the user reads first. A script in recipes/ or benchmarks/
+    makes all its imports but the standard library's inside it, at the top, so that its `--help` and its errors
+    come first too."""
+    loggers = [logging.getLogger(name) for name, concerns in _IMPORT_LOGGERS.items() if concerns != backend]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)

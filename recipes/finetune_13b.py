@@ -56,10 +56,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
+from gnmr_hf.cli import quiet_unused_imports
 
-from gnmr_hf import GNMRConfig
+with quiet_unused_imports("bnb_int8"):
+    import torch
+    from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
+
+    from gnmr_hf import GNMRConfig
 
 logger = logging.getLogger("gnmr_hf.recipes.finetune_13b")
 

@@ -52,8 +52,11 @@ from __future__ import annotations
 
 import sys
 
-from gnmr_hf import get_backend
-from gnmr_hf.experiments.pretrain import parse_recipe_arguments, run_recipe
+from gnmr_hf.cli import quiet_unused_imports
+
+with quiet_unused_imports("act_quant"):
+    from gnmr_hf import get_backend
+    from gnmr_hf.experiments.pretrain import parse_recipe_arguments, run_recipe
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$", r"\.self_attn$"]
 # The modules of the other act_quant kinds in a LLaMA, added to the default include when `kinds` selects them.

@@ -39,7 +39,10 @@ from __future__ import annotations
 
 import sys
 
-from gnmr_hf.experiments.pretrain import parse_recipe_arguments, run_recipe
+from gnmr_hf.cli import quiet_unused_imports
+
+with quiet_unused_imports("block_fp"):
+    from gnmr_hf.experiments.pretrain import parse_recipe_arguments, run_recipe
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
 # The default units: every projection, and the output head, which the backend makes a unit only with

@@ -114,3 +114,42 @@ def test_demo_help_is_quiet_quick_and_documents_every_flag():
     # A flag with a fixed set of values lists them.
     assert "  --policy {paper,cause}\n" in done.stdout
     assert "  --threshold_schedule {constant,linear,cosine}," in done.stdout
+
+
+def _scripts() -> list[Path]:
+    return sorted([*(ROOT / "recipes").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")])
+
+
+@pytest.mark.parametrize("script", _scripts(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_script_imports_its_libraries_inside_quiet_unused_imports(script):
+    # What keeps torchao's, torch's and bitsandbytes' import-time messages off a script's screen (its --help and
+    # its one-line errors included): every import beyond the standard library inside the one quieting block.
+    import ast
+
+    loud = []
+    for node in ast.parse(script.read_text()).body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+            if module.split(".")[0] not in (*sys.stdlib_module_names, "__future__") and module != "gnmr_hf.cli":
+                loud.append(f"line {node.lineno}: {module}")
+        elif isinstance(node, ast.With):
+            call = node.items[0].context_expr
+            quiet = isinstance(call, ast.Call) and getattr(call.func, "id", "") == "quiet_unused_imports"
+            assert quiet, f"{script.name} line {node.lineno}: a `with` at the top that is not quiet_unused_imports"
+    assert not loud, f"{script.name} imports these outside `with quiet_unused_imports(...)`: {loud}"
+
+
+def test_a_script_s_help_and_its_errors_come_before_any_library_s_words():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    script = ROOT / "recipes" / "pretrain_dynamic_precision.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.startswith("usage: pretrain_dynamic_precision.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "--backend", "nonexistent"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("error: --backend: unknown backend 'nonexistent'; known backends are [")
+    assert done.stderr.count("\n") == 1 and "'block_fp'" in done.stderr, done.stderr

@@ -456,6 +456,12 @@ def test_cli_runs_end_to_end(tiny_dir, user_tasks, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mmlu ran as gnmr_mmlu: MMLU's real test questions (14,042 over 57 subjects)" in done.stderr
+    # Our words first; the shots said once, by us, not once per MMLU subject by lm-eval.
+    assert done.stderr.startswith("WARNING gnmr_hf.experiments.evaluation: Offline"), done.stderr[:2000]
+    assert (
+        f"Tasks: {MMLU_GROUP} (5-shot), gnmr_hellaswag_local (0-shot), {USER_TASK}, {PERPLEXITY_TASK}\n" in done.stderr
+    )
+    assert "Overwriting default num_fewshot" not in done.stderr
     assert "ran as gnmr_mmlu" in done.stdout  # results.md, printed at the end
     saved = json.loads((out / "results.json").read_text())
     assert saved["metadata"]["tasks_run"] == [MMLU_GROUP, "gnmr_hellaswag_local", USER_TASK, PERPLEXITY_TASK]

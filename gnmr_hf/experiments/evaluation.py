@@ -368,11 +368,11 @@ def evaluate_model(
     plan = {name: LOCAL_TASKS.get(name, name) if reason else name for name in task_list}
     if perplexity_file is not None:
         plan.setdefault(PERPLEXITY_TASK, PERPLEXITY_TASK)
-    _log_plan(plan, reason)
     shots = {
         run: 0 if run == PERPLEXITY_TASK else num_fewshot if num_fewshot is not None else DEFAULT_NUM_FEWSHOT.get(run)
         for run in plan.values()
     }
+    _log_plan(plan, reason, shots)
 
     with _task_folder(output_dir) as local_dir:
         if task_manager is None:
@@ -395,9 +395,15 @@ def evaluate_model(
         # One lm-eval call per few-shot setting: simple_evaluate's num_fewshot applies to all the tasks it is given.
         for n_shot in dict.fromkeys(shots.values()):
             names = [run for run, n in shots.items() if n == n_shot]
-            out = lm_eval.simple_evaluate(
-                model=lm, tasks=names, num_fewshot=n_shot, limit=limit, task_manager=task_manager, log_samples=False
-            )
+            with _own_fewshot_choice():
+                out = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=names,
+                    num_fewshot=n_shot,
+                    limit=limit,
+                    task_manager=task_manager,
+                    log_samples=False,
+                )
             for key in _RESULT_KEYS:
                 merged.setdefault(key, {}).update(out.get(key) or {})
 
@@ -424,6 +430,27 @@ def evaluate_model(
     if output_dir is not None:
         write_results(merged, output_dir)
     return merged
+
+
+class _FewshotOverwrite(logging.Filter):
+    """Drops lm-eval's "Overwriting default num_fewshot of <task> from <default> to <k>". MMLU's task files (lm-eval's
+    and ours) set no num_fewshot, so its 5 shots can only be asked for with simple_evaluate's num_fewshot, and
+    lm-eval warns once per subtask: 57 lines per MMLU run, all about the choice `evaluate_model` made on purpose and
+    states once itself (the "Tasks:" line, results.json's num_fewshot)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Overwriting default num_fewshot")
+
+
+@contextmanager
+def _own_fewshot_choice() -> Iterator[None]:
+    log = logging.getLogger("lm_eval.evaluator")  # where lm-eval 0.4 logs it
+    quiet = _FewshotOverwrite()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 def _task_list(tasks: str | Sequence[str]) -> list[str]:
@@ -472,7 +499,7 @@ def _paths(include_path: Any) -> list[str]:
     return [str(Path(p).resolve()) for p in include_path]
 
 
-def _log_plan(plan: dict[str, str], reason: str | None) -> None:
+def _log_plan(plan: dict[str, str], reason: str | None, shots: dict[str, int | None]) -> None:
     for asked, run in plan.items():
         if asked != run and run == MMLU_GROUP:
             logger.warning("Offline (%s): %s", reason, MMLU_NOTE)
@@ -485,7 +512,10 @@ def _log_plan(plan: dict[str, str], reason: str | None) -> None:
                 asked,
                 asked,
             )
-    logger.info("Tasks: %s", ", ".join(plan.values()))
+    shown = [
+        run if shots[run] is None or run == PERPLEXITY_TASK else f"{run} ({shots[run]}-shot)" for run in plan.values()
+    ]
+    logger.info("Tasks: %s", ", ".join(shown))
 
 
 def _check_known(names: list[str], task_manager: TaskManager) -> None:
