@@ -26,8 +26,6 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .trace import read_trace
-
 __all__ = ["Advice", "advise", "main"]
 
 
@@ -65,6 +63,8 @@ class Advice:
 
 def advise(path: str, min_share: float = 0.5) -> Advice:
     """Read a GNMR trace and find the units it needed persistently (see the module docstring)."""
+    from .trace import read_trace  # here, not at the top: it imports torch, which `--help` and errors do not need
+
     header, records = read_trace(path)
     steps = [r for r in records if r.get("type") == "step"]
     if not steps:
@@ -177,7 +177,11 @@ def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gnmr-hf advise", description=__doc__.split("\n\n")[0])
+    from .cli import one_line_errors
+
+    parser = one_line_errors(
+        argparse.ArgumentParser(prog="gnmr-hf advise", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    )
     parser.add_argument("trace", help="A gnmr_trace.jsonl written by GNMRCallback (a policy='cause' one says why).")
     parser.add_argument(
         "--min_share",
@@ -195,10 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         advice = advise(args.trace, args.min_share)
     except (FileNotFoundError, ValueError, KeyError) as err:
-        print(f"gnmr-hf advise: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
         return 2
     text, errors = format_advice(advice, args.expect)
     print(text)
     for error in errors:
-        print(f"gnmr-hf advise: error: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
     return 2 if errors else 0

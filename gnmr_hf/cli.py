@@ -218,6 +218,14 @@ def _demo(argv: Sequence[str]) -> int:
     for flag, value, minimum in checks:
         if value < minimum:
             fail(f"{flag} must be >= {minimum}, got {value}")
+    with quiet_unused_imports(gnmr.backend):
+        from .experiments.demo import check_spike_module, run_demo
+
+    if extra.spike_step:
+        try:
+            check_spike_module(extra.spike_module, extra.model)
+        except ValueError as err:
+            fail(str(err))
     print(
         f"gnmr-hf demo: {gnmr.backend} LoRA fine-tune of {extra.model}, {extra.max_steps} steps, spike "
         + (
@@ -228,9 +236,6 @@ def _demo(argv: Sequence[str]) -> int:
         + f"; output in {extra.output_dir}",
         flush=True,
     )
-    with quiet_unused_imports(gnmr.backend):
-        from .experiments.demo import run_demo
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = run_demo(
         extra.output_dir,

@@ -245,7 +245,7 @@ def build_parser() -> HfArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainingArguments, FinetuneArguments, GNMRConfig]:
     """Parse the command line: the preset's defaults first, then the flags given. A user error exits with one line
     (`gnmr_hf.cli.fail`)."""
-    from gnmr_hf.cli import check_backend_options, fail, one_line_errors
+    from gnmr_hf.cli import check_backend_options, fail, one_line_errors, unrecognized
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = one_line_errors(build_parser())
@@ -270,7 +270,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainingArguments, Fi
         defaults.pop("dataset_name", None)  # a local file replaces the preset's dataset
     parser.set_defaults(**defaults)
     try:
-        finetune_args, gnmr_config, training_args = parser.parse_args_into_dataclasses(args=argv)
+        finetune_args, gnmr_config, training_args, remaining = parser.parse_args_into_dataclasses(
+            args=argv, return_remaining_strings=True
+        )
     except (ValueError, TypeError) as err:
         message = str(err)
         if known.preset == "13b" and "bf16" in message and not torch.cuda.is_available():
@@ -279,7 +281,17 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainingArguments, Fi
                 + "; the 13b preset needs a GPU with bf16: `--preset tiny` runs this recipe on a CPU, offline"
             )
         fail(message)
+    if remaining:
+        fail(unrecognized(parser, remaining))
     check_backend_options(gnmr_config)
+    checkpoint = training_args.resume_from_checkpoint
+    # The Trainer reads trainer_state.json from the folder it resumes from, after the model is loaded.
+    if checkpoint is not None and not (Path(checkpoint) / "trainer_state.json").is_file():
+        missing = "" if Path(checkpoint).is_dir() else ": no such folder"
+        fail(
+            f"--resume_from_checkpoint: {checkpoint!r} is not a checkpoint the Trainer saved (a checkpoint-N folder "
+            f"of an output_dir, holding trainer_state.json){missing}"
+        )
     return training_args, finetune_args, gnmr_config
 
 

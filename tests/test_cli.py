@@ -40,6 +40,11 @@ def _fails_with(argv: list[str], capsys) -> str:
         (["--max_activ", "2"], "unrecognized arguments: --max_activ 2 (--max_activ: did you mean --max_active?)"),
         (["--lock-step=3"], "unrecognized arguments: --lock-step=3 (--lock-step: did you mean --lock_steps?)"),
         (["--policy", "caus"], "argument --policy: invalid choice: 'caus' (choose from 'paper', 'cause')"),
+        (
+            ["--spike_module", "model.layers.9.nope"],
+            "--spike_module must be a LoRA layer of tiny, model.layers.N.self_attn.{q,k,v,o}_proj or "
+            "model.layers.N.mlp.{gate,up,down}_proj with N in 0..1",
+        ),
     ],
 )
 def test_demo_user_errors_are_one_line(argv, message, capsys, tmp_path):
@@ -61,6 +66,23 @@ def test_a_mistyped_report_flag_gets_the_right_name(capsys):
     )
 
 
+def test_a_mistyped_advise_flag_gets_the_right_name_and_no_prefix_is_taken_for_it(capsys):
+    message = "unrecognized arguments: --min_shrae 0.3 (--min_shrae: did you mean --min_share?)"
+    assert message in _fails_with(["advise", "trace.jsonl", "--min_shrae", "0.3"], capsys)
+    # No abbreviations: a prefix is a typo to name, not a flag to guess.
+    assert "--min_shar: did you mean --min_share?" in _fails_with(["advise", "trace.jsonl", "--min_shar", "1"], capsys)
+
+
+def test_a_spike_module_that_holds_lora_layers_is_accepted_before_the_model_is_built():
+    from gnmr_hf.experiments.demo import check_spike_module
+
+    for name in ("model.layers.1.mlp.down_proj", "model.layers.0.self_attn", "model.layers.1"):
+        check_spike_module(name)
+    for name in ("model.layers.1.mlp.down", "model.layers.2.mlp.down_proj"):
+        with pytest.raises(ValueError, match="--spike_module must be a LoRA layer"):
+            check_spike_module(name)
+
+
 def _gnmr_hf() -> list[str]:
     """The installed `gnmr-hf` script, as a user runs it (next to this Python), else the module."""
     script = Path(sys.executable).with_name("gnmr-hf")
@@ -77,8 +99,14 @@ def test_help_and_a_bad_command_are_quick_because_they_import_no_torch():
     elapsed = time.perf_counter() - start
     assert done.returncode == 0 and done.stdout.startswith("usage: gnmr-hf {demo,report,advise}"), done.stderr
     assert elapsed < 2.0, f"gnmr-hf --help took {elapsed:.2f} s"
+    start = time.perf_counter()
+    done = subprocess.run([*_gnmr_hf(), "advise", "--help"], capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0 and done.stdout.startswith("usage: gnmr-hf advise"), done.stderr
+    assert elapsed < 2.0, f"gnmr-hf advise --help took {elapsed:.2f} s"
     code = (
-        "import sys; from gnmr_hf.cli import main; main(['--help']); main(['dmeo']); "
+        "import sys; from gnmr_hf.cli import main; main(['--help']); main(['dmeo'])\n"
+        "try:\n    main(['advise', '--help'])\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules), file=sys.stderr)"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -176,6 +176,12 @@ def test_the_demo_runs_on_a_real_model_flag(tiny_gguf, tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--model", str(tmp_path / "none")])
     assert exit_info.value.code == 2
+    # A spike module past the model's layers (read from the GGUF's header, or a folder's config.json) is refused
+    # before the model is converted or loaded.
+    assert models.layer_count(tiny_gguf[0]) == 2 == models.layer_count(resolve_model(tiny_gguf[0], tiny_gguf[1]))
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--spike_module", "model.layers.2.mlp.down_proj", "--output_dir", str(tmp_path / "refused")])
+    assert exit_info.value.code == 2 and not (tmp_path / "refused").exists()
 
 
 def test_a_pretraining_recipe_continues_training_a_real_model_in_its_own_tokens(tiny_gguf, tmp_path, monkeypatch):

@@ -102,6 +102,38 @@ def test_flags_that_do_not_fit_are_errors_that_name_them(capsys):
         assert flag in capsys.readouterr().err, argv
 
 
+def test_a_bad_backend_or_a_mistyped_flag_is_one_line_that_names_it(capsys):
+    for argv, message in (
+        (
+            ["--backend", "nonexistent"],
+            "error: --backend: unknown backend 'nonexistent'; known backends are ['act_quant',",
+        ),
+        (
+            ["--max_activ", "2"],
+            "error: unrecognized arguments: --max_activ 2 (--max_activ: did you mean --max_active?)",
+        ),
+        (["--lora-rr", "2"], "(--lora-rr: did you mean --lora_r?)"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            recipe().parse_args(["--preset", "tiny", "--arm", "gnmr", *argv])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_resuming_from_a_folder_that_is_not_a_checkpoint_is_one_line_before_any_model(tmp_path):
+    # As a user runs it: one line on stderr, exit 2, no library's words first, nothing built (no output_dir).
+    (tmp_path / "not_a_ckpt").mkdir()
+    command = [sys.executable, str(RECIPE), "--preset", "tiny", "--arm", "gnmr", "--output_dir", str(tmp_path / "out")]
+    command += ["--resume_from_checkpoint", str(tmp_path / "not_a_ckpt")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(
+        f"error: --resume_from_checkpoint: {str(tmp_path / 'not_a_ckpt')!r} is not a checkpoint the Trainer saved "
+        "(a checkpoint-N folder of an output_dir, holding trainer_state.json)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def _tokenized(rows: list[dict], **flags):
     from datasets import Dataset
 

@@ -34,7 +34,15 @@ from ..config import GNMRConfig
 from ..units import display_name
 from .tiny import build_tiny_llama, load_4bit_lora, load_int8_lora, write_local_text
 
-__all__ = ["DEMO_LOADERS", "DEMO_PRECISIONS", "GradientSpikeCallback", "byte_dataset", "run_demo", "token_blocks"]
+__all__ = [
+    "DEMO_LOADERS",
+    "DEMO_PRECISIONS",
+    "GradientSpikeCallback",
+    "byte_dataset",
+    "check_spike_module",
+    "run_demo",
+    "token_blocks",
+]
 
 logger = logging.getLogger("gnmr_hf")
 
@@ -42,7 +50,9 @@ logger = logging.getLogger("gnmr_hf")
 DEMO_LOADERS = {"bnb_int8": load_int8_lora, "bnb_4bit": load_4bit_lora}
 # The same for a real model (`--model`): the precision `load_real_model` loads it in.
 DEMO_PRECISIONS = {"bnb_int8": "int8", "bnb_4bit": "nf4"}
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The LoRA layers of each LLaMA layer, by their paths in it: the demo's units, and what --spike_module names.
+LORA_PATHS = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+LORA_TARGETS = [path.split(".")[-1] for path in LORA_PATHS]
 
 
 class GradientSpikeCallback(TrainerCallback):
@@ -80,6 +90,27 @@ class GradientSpikeCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         for handle in self._handles:
             handle.remove()
+
+
+def check_spike_module(name: str, model: str = "tiny") -> None:
+    """Raise a ValueError naming the allowed values unless `name` is one of `model`'s LoRA layers (or a module that
+    holds some, such as `model.layers.1.mlp`), read from the model's config without loading it: a typo refused
+    before the model is built, not at the first training step."""
+    from .models import layer_count
+    from .tiny import TINY_LLAMA
+
+    layers = TINY_LLAMA["num_hidden_layers"] if model == "tiny" else layer_count(model)
+    targets = [f"model.layers.{i}.{path}" for i in range(layers) for path in LORA_PATHS]
+    if not any(t == name or t.startswith(name + ".") for t in targets):
+        leaves: dict[str, list[str]] = {}
+        for path in LORA_PATHS:
+            parent, leaf = path.split(".")
+            leaves.setdefault(parent, []).append(leaf.removesuffix("_proj"))
+        allowed = " or ".join(f"model.layers.N.{parent}.{{{','.join(ls)}}}_proj" for parent, ls in leaves.items())
+        raise ValueError(
+            f"--spike_module must be a LoRA layer of {model}, {allowed} with N in 0..{layers - 1} (or a module "
+            f"holding some, such as model.layers.N.mlp); got {name!r}"
+        )
 
 
 def byte_dataset(text_file: str | Path, seq_len: int = 32, vocab_size: int = 256) -> Any:

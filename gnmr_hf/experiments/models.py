@@ -200,6 +200,23 @@ def check_model(name_or_path: str | Path) -> None:
         )
 
 
+def layer_count(name_or_path: str | Path) -> int:
+    """The number of transformer layers of a model that `check_model` accepts, from its config.json or its GGUF
+    header (about 2 s for SmolLM2's), without converting or loading it."""
+    text = str(name_or_path)
+    if text in REAL_MODELS or text.endswith(".gguf"):
+        from gguf import GGUFReader
+
+        fields = GGUFReader(REAL_MODELS[text].gguf_path() if text in REAL_MODELS else text).fields
+
+        def value(key: str) -> Any:
+            field = fields[key]
+            return field.parts[field.data[0]]
+
+        return int(value(f"{bytes(value('general.architecture')).decode()}.block_count")[0])
+    return int(json.loads((Path(text) / "config.json").read_text())["num_hidden_layers"])
+
+
 def resolve_model(name_or_path: str | Path, cache: str | Path | None = None) -> Path:
     """The local transformers folder of `name_or_path`: a name of `REAL_MODELS` (converted into `cache`, default
     `cache_dir()`, on first use or whenever its checksums fail), a `.gguf` file (the same, keyed by its name), or a
