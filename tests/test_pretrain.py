@@ -228,3 +228,59 @@ def test_results_say_when_the_gap_is_within_seed_noise():
     table = results_table(noisy)
     assert "(gap within noise)" in table and "'gap closed' is noise here" in table
     assert "one seed its noise is unmeasured" in results_table(noisy[::2])
+
+
+def _row(arm, loss, backend="act_quant", saved=2**20):
+    return {
+        "arm": arm,
+        "seed": 0,
+        "final_eval_loss": loss,
+        "final_eval_ppl": 1.0,
+        "sec_per_step": 0.1,
+        "saved_bytes_per_step": saved,
+        "backend": backend,
+    }
+
+
+def test_a_share_of_the_gap_that_rounds_to_zero_is_0_percent_not_minus_0():
+    from gnmr_hf.experiments.pretrain import results_table
+
+    table = results_table([_row("static_high", 2.0), _row("static_low", 3.0), _row("gnmr", 3.003)])
+    assert "| gnmr | 0 | 3.0030 | 1.000 | 0% |" in table and "-0%" not in table  # -0.3% of the gap
+
+
+def test_the_loss_plot_separates_arms_a_thousandth_apart_and_names_identical_ones_together(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from gnmr_hf.experiments.pretrain import plot_loss_curves
+
+    def run(arm, offset):
+        curve = [[10, 4.7 + offset], [20, 4.44 + offset]]
+        return {**_row(arm, 4.44 + offset), "eval_loss": curve, "train_loss": curve}
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read it back
+    runs = [run("static_high", 0.0), run("static_low", 4e-4), run("gnmr", 4e-4), run("random", 4e-4)]
+    path = plot_loss_curves(runs, tmp_path / "loss_curves.png")
+    assert path.is_file()
+    top_left, bottom_left = figures[0].axes[0], figures[0].axes[2]
+    labels = [t.get_text().replace("\n", " ") for t in top_left.get_legend().get_texts()]
+    assert labels == ["static_high (seed 0)", "static_low = gnmr = random (seed 0, identical)"]
+    # Below, each arm minus static_high: the 4e-4 the loss axis cannot show.
+    assert [list(line.get_ydata()) for line in bottom_left.get_lines()[:2]] == [[0.0, 0.0], pytest.approx([4e-4] * 2)]
+    assert "minus static_high" in bottom_left.get_ylabel()
+    styles = {(line.get_linestyle(), line.get_marker()) for line in top_left.get_lines()}
+    assert len(styles) == 2  # each line its own dash and marker, not only its own colour
+
+
+def test_block_fp_tables_state_the_saved_bytes_once_instead_of_a_column_of_one_number():
+    from gnmr_hf.experiments.pretrain import results_table
+
+    runs = [_row("reference", 2.0, None), *(_row(a, 2.5, "block_fp") for a in ("static_high", "static_low", "gnmr"))]
+    table = results_table(runs)
+    assert "saved MB/step" not in table
+    assert "Saved for backward: 1.0 MB/step in every arm (block_fp keeps each GEMM's inputs in fp32" in table
+    # act_quant stores saved activations at the path's bits: there the column varies by arm and stays.
+    table = results_table([_row("static_high", 2.0, saved=2**21), _row("static_low", 2.5), _row("gnmr", 2.2)])
+    assert "saved MB/step" in table and "| 2.0 |" in table and "Saved for backward" not in table

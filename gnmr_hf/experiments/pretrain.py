@@ -43,6 +43,7 @@ import os
 import re
 import statistics
 import sysconfig
+import textwrap
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -748,9 +749,11 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
     high = {r["seed"]: r["final_eval_loss"] for r in by_arm.get("static_high", [])}
     header = ["arm", "seeds", "val loss", "val ppl", "gap closed", "unit-steps recovered", "exceedance", "s/step"]
     stabilized = any("stabilizer" in r for r in results)
-    header += ["saved MB/step", *(["stabilizer did"] if stabilized else [])]
+    saved_note = _same_saved_bytes(results)
+    header += [*([] if saved_note else ["saved MB/step"]), *(["stabilizer did"] if stabilized else [])]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     note, in_noise = _gap_note(low, high, _loss_unit(results))
+    note = "\n".join(n for n in (note, saved_note) if n)
     for arm, runs in by_arm.items():
         losses = [r["final_eval_loss"] for r in runs]
         closed = [
@@ -768,19 +771,46 @@ def results_table(results: Sequence[dict[str, Any]]) -> str:
                     ",".join(str(r["seed"]) for r in runs),
                     _mean_spread(losses),
                     f"{statistics.fmean(r['final_eval_ppl'] for r in runs):.3f}",
-                    (f"{statistics.fmean(closed):.0%}" + (" (gap within noise)" if in_noise else ""))
+                    (_whole_percent(statistics.fmean(closed)) + (" (gap within noise)" if in_noise else ""))
                     if closed
                     else "-",
                     f"{statistics.fmean(recovered):.2%}" if recovered else "-",
                     f"{statistics.fmean(exceed):.3%}" if exceed else "-",
                     f"{statistics.fmean(r['sec_per_step'] for r in runs):.3f}",
-                    f"{statistics.fmean(r['saved_bytes_per_step'] for r in runs) / 2**20:.1f}",
+                    *(
+                        []
+                        if saved_note
+                        else [f"{statistics.fmean(r['saved_bytes_per_step'] for r in runs) / 2**20:.1f}"]
+                    ),
                     *([_stabilizer_cell(runs)] if stabilized else []),
                 ]
             )
             + " |"
         )
     return "\n".join(lines + ([f"\n{note}"] if note else []))
+
+
+def _whole_percent(share: float) -> str:
+    """`share` as a whole percentage; one that rounds to zero is 0%, not -0%."""
+    text = f"{share:.0%}"
+    return "0%" if text == "-0%" else text
+
+
+def _same_saved_bytes(results: Sequence[dict[str, Any]]) -> str:
+    """The line that replaces the saved MB/step column when the backend cannot change it, else "".
+
+    block_fp's GEMMs save x and W themselves, in fp32, and round them again in the backward (`BlockFPLinear`), so
+    what autograd keeps for backward is the same in every arm, whatever the formats: a column would repeat one
+    number (act_quant, which stores saved activations at the path's bits, is where the column says something)."""
+    if {r.get("backend") for r in results} - {None} != {"block_fp"}:
+        return ""
+    mb = sorted(r["saved_bytes_per_step"] / 2**20 for r in results)
+    low, high = f"{mb[0]:.1f}", f"{mb[-1]:.1f}"
+    amount = f"{low} MB/step in every arm" if low == high else f"{low} to {high} MB/step"
+    return (
+        f"Saved for backward: {amount} (block_fp keeps each GEMM's inputs in fp32 and rounds them again in the "
+        "backward, so its formats do not change what autograd keeps)."
+    )
 
 
 def _stabilizer_cell(runs: Sequence[dict[str, Any]]) -> str:
@@ -818,9 +848,16 @@ def _gap_note(low: dict[int, float], high: dict[int, float], unit: str = "nats/b
     return text + f", {abs(gap) / noise:.1f}x the seed-to-seed half-range {noise:.4f}." if noise else text + ".", False
 
 
+# Line styles for the arms, so that arms a hair apart stay distinguishable where colours alone would overlap.
+_LINESTYLES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
+
+
 def plot_loss_curves(results: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """Validation loss (left) and smoothed training loss (right) against the step, one line per arm (mean over
-    its seeds), written as a PNG."""
+    its seeds), written as a PNG. Below each, every arm minus static_high (or the reference): arms often end within
+    a thousandth of each other, which the loss axis cannot show. Each arm has its own colour, dash and marker;
+    arms whose curves are identical (no unit ever recovered, say) share one line and one label."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -829,25 +866,50 @@ def plot_loss_curves(results: Sequence[dict[str, Any]], path: str | Path, title:
     by_arm: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
-    fig, (ax_eval, ax_train) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for arm, runs in by_arm.items():
-        for ax, key in ((ax_eval, "eval_loss"), (ax_train, "train_loss")):
-            curves = [dict(map(tuple, r[key])) for r in runs]
-            steps = sorted(set.intersection(*(set(c) for c in curves)))
-            mean = [statistics.fmean(c[s] for c in curves) for s in steps]
-            if key == "train_loss" and mean:
-                smooth, value = [], mean[0]
-                for v in mean:
-                    value = 0.8 * value + 0.2 * v
-                    smooth.append(value)
-                mean = smooth
+    base = next((arm for arm in ("static_high", "reference") if arm in by_arm), None)
+    rows = 2 if base is not None and len(by_arm) > 1 else 1
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4.5 * rows), sharex="col", squeeze=False)
+    for col, key in enumerate(("eval_loss", "train_loss")):
+        curves = {arm: _mean_curve(runs, key) for arm, runs in by_arm.items()}
+        same: dict[tuple[tuple[int, ...], tuple[float, ...]], list[str]] = {}
+        for arm, curve in curves.items():
+            same.setdefault(curve, []).append(arm)
+        for i, arm in enumerate(by_arm):
+            steps, values = curves[arm]
+            group = same[curves[arm]]
+            if arm != group[0] or not steps:
+                continue
+            runs = by_arm[arm]
             seeds = f"seed {runs[0]['seed']}" if len(runs) == 1 else f"mean of {len(runs)} seeds"
-            ax.plot(steps, mean, label=f"{arm} ({seeds})")
-    ax_eval.set(xlabel="optimizer step", ylabel=f"validation loss ({_loss_unit(results)})", title="validation")
-    ax_train.set(xlabel="optimizer step", ylabel="training loss (EMA 0.8)", title="training")
-    for ax in (ax_eval, ax_train):
+            label = " = ".join(group) + f" ({seeds}" + (", identical)" if len(group) > 1 else ")")
+            label = "\n".join(textwrap.wrap(label, 48, subsequent_indent="  "))  # a narrow legend hides less
+            style = dict(
+                color=f"C{i % 10}",
+                linestyle=_LINESTYLES[i % len(_LINESTYLES)],
+                marker=_MARKERS[i % len(_MARKERS)],
+                markevery=max(1, len(steps) // 12),
+                markersize=5,
+                label=label,
+            )
+            axes[0][col].plot(steps, values, **style)
+            if rows == 2:
+                ref = dict(zip(*curves[base], strict=True))
+                common = [(s, v - ref[s]) for s, v in zip(steps, values, strict=True) if s in ref]
+                axes[1][col].plot([s for s, _ in common], [d for _, d in common], **style)
+    unit = _loss_unit(results)
+    axes[0][0].set(ylabel=f"validation loss ({unit})", title="validation")
+    axes[0][1].set(ylabel="training loss (EMA 0.8)", title="training")
+    if rows == 2:
+        axes[1][0].set(ylabel=f"validation loss minus {base}'s ({unit})")
+        axes[1][1].set(ylabel=f"training loss (EMA 0.8) minus {base}'s")
+        for ax in axes[1]:
+            ax.axhline(0.0, color="black", linewidth=0.6)
+    for ax in axes.flat:
         ax.grid(alpha=0.3)
-    ax_eval.legend(fontsize=8)
+    for ax in axes[-1]:
+        ax.set(xlabel="optimizer step")
+    for ax in axes[0]:
+        ax.legend(fontsize=7, loc="upper right")  # loss curves fall: their top right is free
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -856,6 +918,21 @@ def plot_loss_curves(results: Sequence[dict[str, Any]], path: str | Path, title:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _mean_curve(runs: Sequence[dict[str, Any]], key: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """(steps, values) of `key` (eval_loss, train_loss) averaged over `runs` at the steps they all logged; the
+    training loss smoothed by an EMA of 0.8."""
+    curves = [dict(map(tuple, r[key])) for r in runs]
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    mean = [statistics.fmean(c[s] for c in curves) for s in steps]
+    if key == "train_loss" and mean:
+        smooth, value = [], mean[0]
+        for v in mean:
+            value = 0.8 * value + 0.2 * v
+            smooth.append(value)
+        mean = smooth
+    return tuple(steps), tuple(mean)
 
 
 def _describe(results: Sequence[dict[str, Any]]) -> str:
