@@ -93,33 +93,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             action.nargs, action.const = "?", True
     (args,) = parse_or_fail(parser, argv)
 
+    # evaluate_model imports lm-eval's HF model, peft and bitsandbytes when it needs them, and they speak as they
+    # load: the whole evaluation runs inside the quieting block, not only this import.
     with quiet_unused_imports("bnb_int8"):
         from gnmr_hf.experiments.evaluation import compare_results, evaluate_model
 
-    try:
-        if args.compare is not None:
-            table = compare_results(args.compare, args.output_dir, names=args.names)
-            print(f"compared {', '.join(table['arms'])}: {args.output_dir}/comparison.md")
-            return 0
-        limit = args.limit  # a float flag, as lm-eval's own --limit; whole numbers are document counts
-        results = evaluate_model(
-            args.model,
-            adapter=args.adapter,
-            load_in_8bit=args.load_in_8bit,
-            tasks=args.tasks,
-            num_fewshot=args.num_fewshot,
-            limit=int(limit) if limit is not None and limit >= 1 else limit,
-            include_path=args.include_path,
-            # Neither flag: let the library detect connectivity (gnmr_hf.experiments.evaluation.offline_reason).
-            offline_tasks=True if args.offline_tasks else False if args.real_tasks else None,
-            perplexity_file=args.perplexity_file,
-            batch_size=args.batch_size if args.batch_size == "auto" else int(args.batch_size),
-            device=args.device,
-            output_dir=args.output_dir,
-        )
-    except (FileNotFoundError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        try:
+            if args.compare is not None:
+                table = compare_results(args.compare, args.output_dir, names=args.names)
+                print(f"compared {', '.join(table['arms'])}: {args.output_dir}/comparison.md")
+                return 0
+            limit = args.limit  # a float flag, as lm-eval's own --limit; whole numbers are document counts
+            results = evaluate_model(
+                args.model,
+                adapter=args.adapter,
+                load_in_8bit=args.load_in_8bit,
+                tasks=args.tasks,
+                num_fewshot=args.num_fewshot,
+                limit=int(limit) if limit is not None and limit >= 1 else limit,
+                include_path=args.include_path,
+                # Neither flag: let the library detect connectivity (gnmr_hf.experiments.evaluation.offline_reason).
+                offline_tasks=True if args.offline_tasks else False if args.real_tasks else None,
+                perplexity_file=args.perplexity_file,
+                batch_size=args.batch_size if args.batch_size == "auto" else int(args.batch_size),
+                device=args.device,
+                output_dir=args.output_dir,
+            )
+        except (FileNotFoundError, ValueError, OSError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     print(Path(args.output_dir, "results.md").read_text())
     meta = results["metadata"]
     print(f"tasks run: {', '.join(meta['tasks_run'])} (offline: {meta['offline']}); results: {Path(args.output_dir)}")
