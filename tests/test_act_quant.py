@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -68,6 +69,8 @@ def test_options_come_as_keywords_config_fields_or_command_line_text():
         ({"scaling": "channel"}, "'scaling' must be one of"),
         ({"kinds": ["conv"]}, "'kinds' must be a non-empty list"),
         ({"group_size": 0}, "'group_size' must be an int >= 1"),
+        ({"max_row_total": 0.0}, "'max_row_total' must be a number > 0"),
+        ({"max_row_total": float("nan")}, "'max_row_total' must be a number > 0"),
     ],
 )
 def test_invalid_options_raise_an_error_naming_the_option(options, message):
@@ -272,6 +275,45 @@ def test_low_bit_q_and_k_change_only_the_backward_and_renormalizing_helps():
 
     assert error(low) > 0.05
     assert error(renormalized) < error(low)
+
+
+def test_a_recomputed_row_above_max_row_total_is_scaled_down_to_it_and_rows_below_are_left():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16) * 3 for _ in range(3))
+    g = torch.randn(1, 2, 32, 16)
+    seen = {}
+
+    def run(cap):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        QuantSavedAttention.apply(*leaves, None, True, 0.25, SaveSpec(2), False, None, cap).backward(g)
+        return [t.grad for t in leaves]
+
+    original = act_quant._recomputed_probabilities
+
+    def spy(*args, **kwargs):
+        seen["p"] = original(*args, **kwargs)
+        return seen["p"]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(act_quant, "_recomputed_probabilities", spy)
+        uncapped = run(math.inf)
+    totals = seen["p"].sum(-1)
+    assert (totals > 1.05).any() and (totals < 0.95).any()  # 2-bit q, k: rows both above and below 1
+    capped = run(1.0)
+    # d_v = p^T d_out: with the cap, exactly the rows above 1 are divided by their sum.
+    total = seen["p"].sum(-1, keepdim=True)
+    p = seen["p"] / torch.where(total > 1.0 + act_quant.ROW_TOTAL_SLACK, total, 1.0)
+    torch.testing.assert_close(capped[2], torch.matmul(p.transpose(-2, -1), g))
+    torch.testing.assert_close(uncapped[2], torch.matmul(seen["p"].transpose(-2, -1), g))
+    assert not torch.equal(capped[0], uncapped[0])
+    # A faithful path (16 bits) has rows summing to 1 up to float rounding: the cap leaves it bit for bit.
+    exact = []
+    for cap in (math.inf, 1.0):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        QuantSavedAttention.apply(*leaves, None, True, 0.25, SaveSpec(16), False, None, cap).backward(g)
+        exact.append([t.grad for t in leaves])
+    for a, b in zip(*exact, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_attention_saves_packed_q_k_v_and_a_float32_logsumexp():

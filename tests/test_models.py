@@ -98,27 +98,39 @@ def test_bitsandbytes_cast_message_is_shown_once_not_on_every_matmul(tiny_gguf, 
     assert sum(models._CAST_MESSAGE in r.getMessage() for r in caplog.records) <= 1
 
 
+def _grad_norm(model: torch.nn.Module) -> float:
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+
+
 def test_4bit_attention_gives_finite_gradients_under_a_massive_activation(tiny_gguf):
     """A trained LLM's hidden state reaches ~26,000 in one channel (SmolLM2 from layer 12 on); planted here in the
     tiny model's q and k rows, so that 4-bit q and k push recomputed logits far above the exact logsumexp. Before the
-    cap on the recomputed exponent, exp overflowed and the gradients were NaN."""
+    cap on the recomputed exponent, exp overflowed and the gradients were NaN; before the cap on a recomputed row's
+    sum (`max_row_total`), rows summing to far more than 1 multiplied the gradient in every layer's backward."""
     model, tokenizer = load_real_model(tiny_gguf[0], cache=tiny_gguf[1])
     with torch.no_grad():
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
                 proj.weight[:, 3] *= 4000.0  # one input channel massive, as in real LLMs
     ids = tokenizer("the thin other stand on the red. " * 4, return_tensors="pt").input_ids
-    units = find_units(model, "act_quant", backend_options="kinds=attention,low_bits=4")
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    assert torch.isfinite(loss)
+    norms = {}
+    for options in ("max_row_total=inf", "renormalize=true", ""):
+        model.zero_grad()
+        units = find_units(model, "act_quant", backend_options=f"kinds=attention,low_bits=4,{options}".rstrip(","))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        units.close()
+        assert torch.isfinite(loss)
+        norms[options] = _grad_norm(model)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert grads and all(torch.isfinite(g).all() for g in grads.values()), [
         n for n, g in grads.items() if not torch.isfinite(g).all()
     ]
     q = grads["model.layers.0.self_attn.q_proj.weight"]
     assert q.abs().sum() > 0
-    units.close()
+    # The default cap (1.0) bounds the gradient as renormalizing the rows does (measured: 2.8e7 both), where the
+    # uncapped rows gave 400x more (1.1e10) in just 2 layers.
+    assert norms[""] <= 1.5 * norms["renormalize=true"] and norms["max_row_total=inf"] > 50 * norms[""]
 
 
 # ------------------------------------------------------------------------------------------ the real model
@@ -131,8 +143,8 @@ real = pytest.mark.skipif(
 @real
 def test_smollm2_loads_with_210_int8_units_and_takes_a_gnmr_step_and_4bit_attention_stays_finite(tmp_path):
     """The one test on the real model (CI runs it): loaded offline from its wheel, 30 layers and 210 linears; INT8
-    LoRA gives 210 bnb_int8 units and one GNMR step with the Trainer; 4-bit saved q, k, v give finite gradients on
-    real text, where they gave non-finite ones in 137 parameters before the cap."""
+    LoRA gives 210 bnb_int8 units and one GNMR step with the Trainer; 4-bit saved q, k, v give finite gradients of a
+    bounded size on real text, where they gave non-finite ones in 137 parameters before the caps."""
     import json as json_module
 
     from peft import LoraConfig, get_peft_model
@@ -145,10 +157,16 @@ def test_smollm2_loads_with_210_int8_units_and_takes_a_gnmr_step_and_4bit_attent
     assert sum(isinstance(m, torch.nn.Linear) for n, m in model.named_modules() if n.endswith("_proj")) == 210
     text = inspect.getsource(json_module.decoder)
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :128]
+    model(input_ids=ids, labels=ids).loss.backward()
+    exact = _grad_norm(model)
+    model.zero_grad()
     units = find_units(model, "act_quant", backend_options="kinds=attention,low_bits=4")
     assert len(units.names) == 30
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    # Bounded as well as finite: uncapped rows took a batch of 4 x 128 tokens from 5.4 to 7.5e27 (an fp32 norm of
+    # inf); capped at a sum of 1, 6.8.
+    assert _grad_norm(model) < 10 * exact, (_grad_norm(model), exact)
     units.close()
     del model
 

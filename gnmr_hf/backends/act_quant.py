@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,11 @@ ATTN_IMPLEMENTATION = "gnmr_act_quant"
 _ATTENTION_UNIT = "_gnmr_attention_unit"
 
 
+# How far above `max_row_total` a recomputed row's float32 sum must be before it is scaled: an exact row of n
+# probabilities sums to 1 within ~n * 6e-8, so rows of up to ~16k keys on a faithful path are never touched.
+ROW_TOTAL_SLACK = 1e-3
+
+
 @dataclass
 class ActQuantOptions(SignalOptions):
     """Options of the `act_quant` backend (see docs/act_quant.md)."""
@@ -108,6 +114,14 @@ class ActQuantOptions(SignalOptions):
         default=False,
         metadata={"help": "Attention backward: divide the recomputed probabilities by their row sum (ablation)."},
     )
+    max_row_total: float = field(
+        default=1.0,
+        metadata={
+            "help": "Attention backward: a recomputed probability row whose sum exceeds this is scaled down to it "
+            "(a row of probabilities sums to at most 1); rows below keep what the cheap path lost. > 0; 'inf' "
+            "leaves the rows as recomputed, as the tiny-model tables of docs/results.md were measured."
+        },
+    )
     signal: str = signal_option(
         note=" Linear, norm and head units: attention units use their q/k/v projection weights, mlp units their "
         "gate/up projections' LoRA adapters or weights."
@@ -124,6 +138,12 @@ class ActQuantOptions(SignalOptions):
             )
         self.check_choice("scaling", SCALINGS)
         self.check_int("group_size", 1)
+        if not (isinstance(self.max_row_total, (int, float)) and self.max_row_total > 0):  # refuses nan too
+            raise ValueError(
+                f"option 'max_row_total' must be a number > 0 (1.0: rows of probabilities sum to at most 1; 'inf': "
+                f"no cap), got {self.max_row_total!r}"
+            )
+        self.max_row_total = float(self.max_row_total)
         kinds = [self.kinds] if isinstance(self.kinds, str) else list(self.kinds)
         if kinds == ["all"]:
             kinds = list(KINDS)
@@ -530,7 +550,9 @@ def _recomputed_probabilities(
     logits reach the thousands (SmolLM2's massive activations), where 4-bit q and k move a logit by more than 88
     above the exact lse, and exp overflows float32 to inf, then d_s = p * (d_p - sum) gives inf - inf = NaN in q's,
     k's and every upstream gradient (137 of SmolLM2's parameters). Capped, such a row's entries are at most 1: the
-    loss of fidelity stays visible (its rows' sums, `row_totals`, are > 1) but every gradient is finite."""
+    loss of fidelity stays visible (its rows' sums, `row_totals`, are > 1) but every gradient is finite. The
+    backward then caps each row's sum (`ActQuantOptions.max_row_total`), which keeps the gradients' size bounded
+    too, not only finite."""
     logits = _scores(q, k_rep, mask, is_causal, scaling, positions, num_queries)
     return torch.exp((logits - lse.unsqueeze(-1)).clamp(max=0.0))
 
@@ -556,6 +578,7 @@ class QuantSavedAttention(torch.autograd.Function):
         spec: SaveSpec,
         renormalize: bool,
         probe: Any = None,
+        max_row_total: float = math.inf,
     ) -> torch.Tensor:
         groups = q.shape[1] // k.shape[1]
         s = _scores(q, _repeat_kv(k, groups), mask, is_causal, scaling)
@@ -581,6 +604,7 @@ class QuantSavedAttention(torch.autograd.Function):
         if probe is not None:
             ctx.probe = (probe, _operand_parts(probe, spec, cache, (q, k, v)), probe.sample_rows(p))
         ctx.is_causal, ctx.scaling, ctx.renormalize, ctx.groups = is_causal, scaling, renormalize, groups
+        ctx.max_row_total = max_row_total
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         ctx.has_mask = mask is not None
         ctx.save_for_backward(*saved[0], *saved[1], *saved[2], lse, *((mask,) if mask is not None else ()))
@@ -605,6 +629,16 @@ class QuantSavedAttention(torch.autograd.Function):
         if ctx.renormalize:
             total = p.sum(-1, keepdim=True)
             p = p / torch.where(total > 0, total, 1.0)
+        elif ctx.max_row_total != math.inf:
+            # A row the lossy q and k push above max_row_total is scaled down to it; rows below are left as they
+            # are. Without it, d_s = p * (d_p - rowsum(p * d_p)) grows with the row's sum (up to the row's length
+            # with every entry capped at 1), and the growth compounds layer over layer in the backward: on
+            # SmolLM2-135M (30 layers, logits in the thousands) 4-bit q, k took the gradient norm from 5.4 (exact)
+            # to 7.5e27 (float32 norms overflow to inf, the Trainer's clipping zeroes the step), 7e11 with
+            # per-token scales; capped at 1, 6.8. A cap of 2 still gave 4e4 and of 4 gave 4e16 (docs/act_quant.md).
+            # Rows within float rounding of the cap (a faithful path's sum to 1) are left bit for bit.
+            ratio = p.sum(-1, keepdim=True) / ctx.max_row_total
+            p = p / torch.where(ratio > 1.0 + ROW_TOTAL_SLACK, ratio, 1.0)
         d_out = grad_out.float()
         d_v = torch.matmul(p.transpose(-2, -1), d_out)
         d_p = torch.matmul(d_out, v_rep.transpose(-2, -1))
@@ -616,6 +650,7 @@ class QuantSavedAttention(torch.autograd.Function):
             d_q.to(q_dtype),
             _sum_groups(d_k, groups).to(k_dtype),
             _sum_groups(d_v, groups).to(v_dtype),
+            None,
             None,
             None,
             None,
@@ -643,12 +678,12 @@ def act_quant_attention(
             f"would need the dropout mask), got dropout={dropout}; set the model config's attention_dropout to 0"
         )
     unit = unit_of(module)
-    spec, renormalize, probe = SaveSpec(UNQUANTIZED), False, None
+    spec, renormalize, max_row_total, probe = SaveSpec(UNQUANTIZED), False, math.inf, None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     is_causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
     if isinstance(unit, ActQuantAttentionUnit):
-        spec, renormalize = unit.current_spec(), unit.options.renormalize
+        spec, renormalize, max_row_total = unit.current_spec(), unit.options.renormalize, unit.options.max_row_total
         if torch.is_grad_enabled():
             unit.measure(query, key, value)
             if unit.measuring:
@@ -656,7 +691,9 @@ def act_quant_attention(
                     unit.report_fidelity(*unit.shadow_parts(query, key, value, attention_mask, is_causal, scaling))
                 else:
                     probe = unit
-    out = QuantSavedAttention.apply(query, key, value, attention_mask, is_causal, scaling, spec, renormalize, probe)
+    out = QuantSavedAttention.apply(
+        query, key, value, attention_mask, is_causal, scaling, spec, renormalize, probe, max_row_total
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
