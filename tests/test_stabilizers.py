@@ -78,6 +78,8 @@ def test_each_stabilizer_arm_trains_on_the_tiny_preset_with_its_packages_class(a
         assert result["recovery_fraction"] == 0.0  # every unit on the cheap path
     if "zclip" in arm:
         assert record["method"] == "zclip.ZClip" and record["clipped_steps"] == 3  # its warm-up clips at 1.0
+    if arm == "skip_step":
+        assert seen.optimizer.defaults["fused"]  # the Trainer's own AdamW, as static_low's: only the rule differs
 
 
 def test_zclip_is_the_packages_class_with_its_defaults_and_its_ceiling_replaces_the_trainers():

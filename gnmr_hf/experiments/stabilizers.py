@@ -236,7 +236,9 @@ class SkipStepAdamW(torch.optim.AdamW):
     skipped or not; a skipped step changes neither the weights, nor the moments, nor AdamW's step count (OLMo's
     `SkipStepAdamW` multiplies all three by its step factor 0). As OLMo's train module does, the gradient is clipped
     to `max_grad_norm` here (the Trainer's own clipping is off in this arm) and the norm the rule reads is the one
-    before clipping. `latest_loss` must be set before each `step()` (`SkipStepFeed`)."""
+    before clipping. `latest_loss` must be set before each `step()` (`SkipStepFeed`). The arm builds it with the
+    Trainer's own AdamW arguments (`fused=True` under its default `optim`), so that it differs from static_low by
+    the rule alone: in a stress regime even the AdamW implementation moves the final loss (docs/results.md)."""
 
     def __init__(
         self,
@@ -355,7 +357,13 @@ def stabilizer_for(arm: str, args: TrainingArguments, options: dict[str, Any] | 
     if arm in ("zclip", "gnmr_cause_zclip"):
         return Stabilizer(arm, "zclip.ZClip", options, 0.0, [ZClipCallback(**options)])
     if arm == "skip_step":
-        kwargs = {**adam, "max_grad_norm": args.max_grad_norm, **options}
+        # The Trainer's own AdamW with the rule on top: the same implementation (fused, by default) as static_low's.
+        from transformers import Trainer
+
+        cls, adamw = Trainer.get_optimizer_cls_and_kwargs(args)
+        if cls is not torch.optim.AdamW:
+            raise ValueError(f"arm skip_step adds its rule to torch's AdamW; --optim {args.optim} is {cls.__name__}")
+        kwargs = {**adamw, "max_grad_norm": args.max_grad_norm, **options}
         return Stabilizer(arm, "SkipStepAdamW", options, 0.0, [SkipStepFeed()], (SkipStepAdamW, kwargs))
     from pytorch_optimizer import SPAM, AdaGC, StableSPAM
 
