@@ -238,7 +238,7 @@ class SkipStepAdamW(torch.optim.AdamW):
     to `max_grad_norm` here (the Trainer's own clipping is off in this arm) and the norm the rule reads is the one
     before clipping. `latest_loss` must be set before each `step()` (`SkipStepFeed`). The arm builds it with the
     Trainer's own AdamW arguments (`fused=True` under its default `optim`), so that it differs from static_low by
-    the rule alone: in a stress regime even the AdamW implementation moves the final loss (docs/results.md)."""
+    the rule alone, down to the rounding."""
 
     def __init__(
         self,
