@@ -4,6 +4,7 @@ kind, and the split between quantization and the rest; on a GPU also the peak me
     python benchmarks/act_quant_step_time.py               # d=128, 4 layers, batch 16 x 128, one thread
     python benchmarks/act_quant_step_time.py --device cuda --bf16 --d_model 2048 --n_layers 22 --n_heads 32 \
         --vocab 32000 --batch 8 --seq_len 512               # a 1B-class LLaMA (TinyLlama's shape), from gpu_check.sh
+    python benchmarks/act_quant_step_time.py --model smollm2-135m --batch 2 --steps 2   # the real SmolLM2-135M
 
 Settings: the plain model (sdpa attention); `kinds=all` at 16 bits (our code path with nothing quantized: eager
 attention with the recomputing backward, the SwiGLU and RMSNorm functions, the chunked loss); at 8 and 4 bits. The
@@ -61,15 +62,34 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a real model of gnmr_hf.experiments.models (smollm2-135m) instead of a LLaMA of the shape flags; "
+        "its pretrained weights in fp32, random token ids of its vocabulary",
+    )
     cli = parser.parse_args()
     if cli.device == "cpu":
         torch.set_num_threads(1)
-    config = llama_config(cli.d_model, cli.n_layers, cli.n_heads, cli.seq_len, cli.vocab)
+    if cli.model is None:
+        config = llama_config(cli.d_model, cli.n_layers, cli.n_heads, cli.seq_len, cli.vocab)
+
+        def make_model() -> torch.nn.Module:
+            return build_model(config, 0)
+
+    else:
+        from gnmr_hf.experiments.models import load_real_model
+
+        def make_model() -> torch.nn.Module:
+            return load_real_model(cli.model)[0]
+
+        config = make_model().config
+        cli.d_model, cli.n_layers, cli.vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     ids = torch.randint(0, cli.vocab, (cli.batch, cli.seq_len), generator=torch.Generator().manual_seed(0))
     ids = ids.to(cli.device)
     rows = []
     for bits in (None, 16, 8, 4):
-        model = build_model(config, 0).to(cli.device)
+        model = make_model().to(cli.device)
         units = None if bits is None else find_units(model, "act_quant", kinds="all", low_bits=bits, high_bits=16)
         name = "plain model (sdpa)" if bits is None else f"all, {bits} bits"
         rows.append((name, *step_seconds(model, ids, cli.steps, cli.bf16)))
@@ -79,7 +99,8 @@ def main() -> None:
     plain, unquantized = rows[0][1], rows[1][1]
     where = "1 thread" if cli.device == "cpu" else cli.device
     print(
-        f"Seconds per step: batch {cli.batch} x {cli.seq_len}, d={cli.d_model}, {cli.n_layers} layers, "
+        f"Seconds per step: {cli.model or 'LLaMA'}, batch {cli.batch} x {cli.seq_len}, d={cli.d_model}, "
+        f"{cli.n_layers} layers, "
         f"vocabulary {cli.vocab}, {where}{', bf16 autocast' if cli.bf16 else ''}"
     )
     print("| setting | s/step | vs plain | quantization s | rest over plain s | peak GiB |")

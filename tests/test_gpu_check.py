@@ -28,3 +28,26 @@ def test_gpu_check_runs_on_a_cpu_with_the_tiny_size(tmp_path):
     assert modes["monitor_only"]["recovery_peak_mib"] == 0.0 < modes["active"]["recovery_peak_mib"]
     assert result["flip"]["checkpoint"] and result["flip"]["dequantize"]
     assert "checks the logic only" in done.stdout
+
+
+def test_gpu_check_takes_a_real_model_by_name_or_file(tmp_path):
+    """`--model` (gpu_check.sh runs smollm2-135m): the model's converted folder loaded in 8-bit with LoRA, as the
+    random LLaMA is. Here a GGUF the test writes, with the cache in tmp_path."""
+    import os
+
+    import pytest
+
+    pytest.importorskip("gguf")
+    from gnmr_hf.experiments.tiny import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--model", str(gguf), "--steps", "1"]
+    cmd += ["--warmup", "1", "--sync_steps", "1", "--repeats", "1", "--seq", "16", "--batch", "2"]
+    env = {**os.environ, "GNMR_HF_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert result["size"] == str(gguf) and result["units"] == 14
+    assert {m["mode"] for m in result["modes"]} == {"plain", "monitor_only", "active"}
