@@ -18,15 +18,13 @@ carve-out gets lost (torchtitan PR #4008, accelerate PR #4147).
 
 from __future__ import annotations
 
-import argparse
 import re
 import statistics
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Advice", "advise", "main"]
+__all__ = ["Advice", "advise", "format_advice"]
 
 
 @dataclass
@@ -174,35 +172,3 @@ def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list
         for p in _unmatched(pats, all_names)
     ]
     return "\n".join(lines), errors
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from .cli import one_line_errors
-
-    parser = one_line_errors(
-        argparse.ArgumentParser(prog="gnmr-hf advise", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    )
-    parser.add_argument("trace", help="A gnmr_trace.jsonl written by GNMRCallback (a policy='cause' one says why).")
-    parser.add_argument(
-        "--min_share",
-        type=float,
-        default=0.5,
-        help="A unit is needed persistently when it was recovered in at least this share of the steps from its first "
-        "entry on (default 0.5).",
-    )
-    parser.add_argument(
-        "--expect", nargs="*", default=[], help="Regexes of a carve-out you already use; each must match some unit."
-    )
-    args = parser.parse_args(argv)
-    if not 0 < args.min_share <= 1:
-        parser.error(f"--min_share must be in (0, 1], got {args.min_share}")
-    try:
-        advice = advise(args.trace, args.min_share)
-    except (FileNotFoundError, ValueError, KeyError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    text, errors = format_advice(advice, args.expect)
-    print(text)
-    for error in errors:
-        print(f"error: {error}", file=sys.stderr)
-    return 2 if errors else 0

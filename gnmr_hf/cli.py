@@ -162,6 +162,40 @@ def _report(argv: Sequence[str]) -> int:
     return 0
 
 
+def _advise(argv: Sequence[str]) -> int:
+    from . import advise as advise_module
+
+    parser = one_line_errors(
+        argparse.ArgumentParser(
+            prog="gnmr-hf advise", description=advise_module.__doc__.split("\n\n")[0], allow_abbrev=False
+        )
+    )
+    parser.add_argument("trace", help="A gnmr_trace.jsonl written by GNMRCallback (a policy='cause' one says why).")
+    parser.add_argument(
+        "--min_share",
+        type=float,
+        default=0.5,
+        help="A unit is needed persistently when it was recovered in at least this share of the steps from its first "
+        "entry on (default 0.5).",
+    )
+    parser.add_argument(
+        "--expect", nargs="*", default=[], help="Regexes of a carve-out you already use; each must match some unit."
+    )
+    args = parser.parse_args(argv)
+    if not 0 < args.min_share <= 1:
+        fail(f"--min_share must be in (0, 1], got {args.min_share}")
+    try:
+        advice = advise_module.advise(args.trace, args.min_share)
+    except (FileNotFoundError, ValueError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    text, errors = advise_module.format_advice(advice, args.expect)
+    print(text)
+    for error in errors:
+        print(f"error: {error}", file=sys.stderr)
+    return 2 if errors else 0
+
+
 def _demo_parser() -> Any:
     from transformers import HfArgumentParser
 
@@ -277,9 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage(), file=sys.stderr)
         return 2
     if argv[0] == "advise":
-        from .advise import main as advise_main
-
-        return advise_main(argv[1:])
+        return _advise(argv[1:])
     return _demo(argv[1:]) if argv[0] == "demo" else _report(argv[1:])
 
 

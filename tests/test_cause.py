@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from gnmr_hf import GNMRConfig, GNMRController, find_units
-from gnmr_hf.advise import main as advise_main
 from gnmr_hf.backends.act_quant import SaveSpec
 from gnmr_hf.backends.bnb import int8_input_loss
 from gnmr_hf.backends.torchao import float8_input_loss
@@ -1028,7 +1027,7 @@ def test_advise_lists_units_broken_persistently_that_the_budget_could_not_hold(t
     ]  # fmt: skip
     path = tmp_path / "gnmr_trace.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [header, *steps]))
-    assert advise_main([str(path)]) == 0
+    assert cli_main(["advise", str(path)]) == 0
     out = capsys.readouterr().out
     assert "units broken persistently that the run did not hold (1; the budget, max_active=1, was full):" in out
     assert (
@@ -1040,6 +1039,6 @@ def test_advise_lists_units_broken_persistently_that_the_budget_could_not_hold(t
 
 
 def test_advise_fails_on_a_carve_out_that_matches_no_unit(trace, capsys):
-    assert advise_main([str(trace), "--expect", r"\.self_attn$", r"\.attention$"]) == 2
+    assert cli_main(["advise", str(trace), "--expect", r"\.self_attn$", r"\.attention$"]) == 2
     err = capsys.readouterr().err
     assert "'\\\\.attention$' (--expect) matches no unit" in err and "self_attn$' (--expect)" not in err
