@@ -909,7 +909,8 @@ def plot_loss_curves(results: Sequence[dict[str, Any]], path: str | Path, title:
     for ax in axes[-1]:
         ax.set(xlabel="optimizer step")
     for ax in axes[0]:
-        ax.legend(fontsize=7, loc="upper right")  # loss curves fall: their top right is free
+        if ax.get_legend_handles_labels()[0]:  # a run too short to log a training loss has none
+            ax.legend(fontsize=7, loc="upper right")  # loss curves fall: their top right is free
     if title:
         fig.suptitle(title)
     fig.tight_layout()
