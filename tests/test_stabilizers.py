@@ -214,3 +214,20 @@ def test_import_gnmr_hf_and_its_callback_import_no_stabilizer_package():
     code += "print([m for m in ('zclip', 'pytorch_optimizer') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_the_fault_table_says_when_a_stabilizer_acted_against_the_faults():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fault_injection.py"
+    spec = importlib.util.spec_from_file_location("gnmr_benchmark_fault_injection", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    acted = module.stabilizer_acted([(10, 3), (30, 1)], [10, 12, 31, 50], duration=4)
+    assert acted == {"acted_first_step": 1, "acted_during": 2, "acted_elsewhere": 1}
+    row = {"arm": "zclip", "seed": 0, "final_eval_loss": 2.0, "faults": 2, "caught_next_step": 0, "delays": []}
+    row.update(entries=0, entries_on_healthy_units=0, unit_steps_in_recovery=0, stabilizer={}, **acted)
+    table = module.fault_table([{"arm": "clean", "seed": 0, "final_eval_loss": 1.9}, row])
+    assert table.splitlines()[0].endswith("other steps |") and table.splitlines()[2].endswith("| - |")
+    assert table.splitlines()[3].endswith("| 1 / 2 of 2 / 1 |")
