@@ -170,7 +170,9 @@ def main() -> None:
         ids = torch.stack([b["input_ids"] for b in token_blocks(tokenizer, args.seq_len, args.batch)]).to(device)
 
         def make_model() -> torch.nn.Module:
-            return load_real_model(args.model)[0]
+            # from_pretrained returns a model in eval mode; a training step's backends (block_fp's probes) read
+            # `training`, as the probe model built for training does.
+            return load_real_model(args.model)[0].train()
 
     clock = [0]
     results = {}
