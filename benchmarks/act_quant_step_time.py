@@ -78,12 +78,14 @@ def main() -> None:
             return build_model(config, 0)
 
     else:
-        from gnmr_hf.experiments.models import load_real_model
+        from transformers import AutoConfig
+
+        from gnmr_hf.experiments.models import load_real_model, resolve_model
 
         def make_model() -> torch.nn.Module:
             return load_real_model(cli.model)[0]
 
-        config = make_model().config
+        config = AutoConfig.from_pretrained(str(resolve_model(cli.model)))  # its shape, without loading the weights
         cli.d_model, cli.n_layers, cli.vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     ids = torch.randint(0, cli.vocab, (cli.batch, cli.seq_len), generator=torch.Generator().manual_seed(0))
     ids = ids.to(cli.device)

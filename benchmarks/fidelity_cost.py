@@ -20,11 +20,11 @@ measuring `--rows` rows of each tensor (`GNMRConfig.cause_fidelity_rows`, defaul
 `--device cuda` runs the same on a GPU (`benchmarks/gpu_check.sh` does, at d=128 and d=2048).
 
 Reported, per step: the time of the step not measuring (median; CPU time on a CPU, synchronized wall time on a
-GPU); the fidelity signal's own time (mean over the
-steps, so that the steps on which a unit in recovery measures count in their share), measured directly, in the
-step's clock (CPU time on a CPU: on one thread the wall time of an idle machine, as the tables of docs/results.md
-were measured, and not inflated by other processes on a shared one), inside every function through which a backend measures (its probes, the attention unit's shadow, the input hook) and
-in the per-step gathering (`UnitSignals.gather_fidelity`), the way docs/performance.md measures "GNMR's own time";
+GPU); the fidelity signal's own time (mean over the steps, so that the steps on which a unit in recovery measures
+count in their share), measured directly, in the step's clock (CPU time on a CPU: on one thread the wall time of an
+idle machine, as the tables of docs/results.md were measured, and not inflated by other processes on a shared one),
+inside every function through which a backend measures (its probes, the attention unit's shadow, the input hook)
+and in the per-step gathering (`UnitSignals.gather_fidelity`), the way docs/performance.md measures "GNMR's own time";
 and, for reference, the end-to-end CPU time's difference (noisier: +-3 points on a shared machine), also paired by
 round (each round's mean step less that of the not-measuring mode in the same round, mean +- standard error over
 the rounds: with many short rounds, `--rounds 150 --steps 1`, drift cancels and the error shrinks with the rounds).
@@ -82,13 +82,12 @@ MEASURING = [
 
 
 class OwnTime:
-    """Wall time spent inside the measuring functions (outermost calls only: one may call another)."""
+    """Time spent inside the measuring functions (outermost calls only: one may call another), in `clock`: the
+    step's own clock (on a CPU its CPU time, on one thread the wall time of an idle machine and not inflated by
+    other processes on a shared one; on a GPU wall time)."""
 
-    # On a CPU, CPU time like the step's (one thread: the same as wall time on an idle machine, and not inflated by
-    # other processes on a shared one); on a GPU, wall time (`main` sets it).
-    clock: Callable[[], float] = time.process_time
-
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.process_time) -> None:
+        self.clock = clock
         self.seconds, self._depth = 0.0, 0
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -144,14 +143,13 @@ def main() -> None:
     # On a CPU the step's CPU time; on a GPU its wall time with the device synchronized at both ends (the kernels run
     # asynchronously: the host's own time inside the measuring functions is then what launching them costs).
     step_clock = time.perf_counter if device.type == "cuda" else time.process_time
-    OwnTime.clock = staticmethod(step_clock)
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    own = OwnTime()
+    own = OwnTime(step_clock)
     own.install()
     # GNMR's whole own time: the measuring functions and the per-unit gradient norms both policies read
     # (UnitSignals.compute, which also gathers the fidelity), outermost calls only. Not measuring, it is what the
     # paper's policy costs; measuring, the cause policy.
-    total = OwnTime()
+    total = OwnTime(step_clock)
     for owner, name in MEASURING:
         setattr(owner, name, total.wrap(getattr(owner, name)))
     UnitSignals.compute = total.wrap(UnitSignals.compute)
@@ -163,10 +161,12 @@ def main() -> None:
             return build_model(llama_config(d_model=args.d_model, n_layers=4, n_heads=4, seq_len=128), seed=0)
 
     else:
-        from gnmr_hf.experiments.demo import token_blocks
-        from gnmr_hf.experiments.models import load_real_model
+        from transformers import AutoTokenizer
 
-        tokenizer = load_real_model(args.model)[1]
+        from gnmr_hf.experiments.demo import token_blocks
+        from gnmr_hf.experiments.models import load_real_model, resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))  # the model itself loads per regime
         ids = torch.stack([b["input_ids"] for b in token_blocks(tokenizer, args.seq_len, args.batch)]).to(device)
 
         def make_model() -> torch.nn.Module:

@@ -7,9 +7,12 @@ and say that syncs and host-to-device copies do not exist on a CPU rather than r
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,10 +36,6 @@ def test_gpu_check_runs_on_a_cpu_with_the_tiny_size(tmp_path):
 def test_gpu_check_takes_a_real_model_by_name_or_file(tmp_path):
     """`--model` (gpu_check.sh runs smollm2-135m): the model's converted folder loaded in 8-bit with LoRA, as the
     random LLaMA is. Here a GGUF the test writes, with the cache in tmp_path."""
-    import os
-
-    import pytest
-
     pytest.importorskip("gguf")
     from gnmr_hf.experiments.tiny import write_tiny_gguf
 
