@@ -21,6 +21,8 @@ from gnmr_hf.backends.act_quant import (
     QuantSavedRecompute,
     SaveSpec,
 )
+from gnmr_hf.backends.act_quant import attention as aq_attention
+from gnmr_hf.backends.act_quant import head as aq_head
 from gnmr_hf.experiments.pretrain import SavedTensorMeter, build_model, llama_config
 from gnmr_hf.quant import absmax_error_bound, quantized_nbytes
 
@@ -288,14 +290,14 @@ def test_a_recomputed_row_above_max_row_total_is_scaled_down_to_it_and_rows_belo
         QuantSavedAttention.apply(*leaves, None, True, 0.25, SaveSpec(2), False, None, cap).backward(g)
         return [t.grad for t in leaves]
 
-    original = act_quant._recomputed_probabilities
+    original = aq_attention._recomputed_probabilities
 
     def spy(*args, **kwargs):
         seen["p"] = original(*args, **kwargs)
         return seen["p"]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(act_quant, "_recomputed_probabilities", spy)
+        patch.setattr(aq_attention, "_recomputed_probabilities", spy)
         uncapped = run(math.inf)
     totals = seen["p"].sum(-1)
     assert (totals > 1.05).any() and (totals < 0.95).any()  # 2-bit q, k: rows both above and below 1
@@ -556,7 +558,7 @@ def head_loss_grads(bits: int, h, weight, targets, denom=None):
 
 @pytest.mark.parametrize("chunk", [2**22, 64 * 5])  # one chunk; chunks of 5 rows, the last one short
 def test_the_chunked_loss_is_the_plain_loss_and_its_gradients_stay_within_the_bound_per_width(chunk, monkeypatch):
-    monkeypatch.setattr(act_quant, "LOSS_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(aq_head, "LOSS_CHUNK_ELEMENTS", chunk)
     torch.manual_seed(0)
     h, weight = torch.randn(23, 32), torch.randn(64, 32) * 0.3
     targets = torch.randint(0, 64, (23,))

@@ -477,7 +477,7 @@ def test_a_sample_of_rows_estimates_every_backends_fidelity_on_both_paths(backen
 
 
 def test_sampled_query_positions_recompute_exactly_the_rows_of_the_whole_probabilities():
-    from gnmr_hf.backends.act_quant import _recomputed_probabilities, _scores
+    from gnmr_hf.backends.act_quant.attention import _recomputed_probabilities, _scores
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g)

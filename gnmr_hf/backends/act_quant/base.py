@@ -1,0 +1,96 @@
+"""What every act_quant unit shares: the `SaveSpec` of its next forward (low bits on the cheap path, high bits in
+recovery), the recovery path's extra bytes for the ledger and, for the kinds that replace their module's forward,
+one `SaveCache` per `find_units` call."""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...fidelity import OperandStats
+from ...units import DispatchContext, RecoverableUnit, SwitchedUnit
+from .options import ActQuantOptions
+from .saving import SaveCache, SaveSpec
+
+
+class _SavesActivations(RecoverableUnit):
+    """What both unit kinds share: the bits of the next forward's saved tensors, and the ledger's bytes.
+
+    `fault_scale` (1.0 = none) multiplies every `fault_stride`-th scale the cheap path saves: an injected fault
+    (`benchmarks/fault_injection.py`). The recovery path holds, per forward, the extra bytes of the saved tensors at
+    `high_bits` over `low_bits`; they follow batch x sequence, so each recovery forward re-states them.
+    """
+
+    options: ActQuantOptions
+
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext[ActQuantOptions]) -> None:
+        options = ctx.options
+        self.low_bits, self.high_bits = options.low_bits, options.high_bits
+        self.fault_scale, self.fault_stride = 1.0, 1
+        self._max_extra = 0
+        super().__init__(name, module, ctx)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "kind": self.kind, "bits": f"{self.low_bits}/{self.high_bits}"}
+
+    def current_spec(self) -> SaveSpec:
+        """How the next forward saves: `high_bits` in recovery, else `low_bits` with any injected fault."""
+        return self.options.spec(self.high_bits) if self._recovering else self.cheap_spec()
+
+    def cheap_spec(self) -> SaveSpec:
+        """How the cheap path saves (`low_bits`, with any injected fault), also while the unit is in recovery: its
+        fidelity is measured on it either way."""
+        spec = self.options.spec(self.low_bits)
+        if self.fault_scale == 1.0:
+            return spec
+        return dataclasses.replace(spec, fault_scale=self.fault_scale, fault_stride=self.fault_stride)
+
+    def measure(self, *tensors: torch.Tensor) -> None:
+        """Record the extra bytes the recovery path saves for these tensors; state them to the ledger in recovery."""
+        extra = self.options.extra_bytes(*tensors)
+        self._max_extra = max(self._max_extra, extra)
+        if self._recovering:
+            self.ledger.hold(self, extra)
+
+    def recovery_bytes(self) -> int:
+        return self._max_extra
+
+    def _enter(self) -> int:
+        return self._max_extra
+
+
+def _save_cache(ctx: DispatchContext) -> SaveCache:
+    return SaveCache()
+
+
+def _operand_parts(
+    unit: RecoverableUnit, spec: SaveSpec, cache: SaveCache, tensors: Sequence[torch.Tensor], bias: bool = True
+) -> list[OperandStats]:
+    """`SaveSpec.stats` of each operand one unit saves, on the rows `unit.sample_rows` picks, for one report (its
+    loss is the worst one's, as attention's q, k, v: the worst one is the one whose backward breaks first). `bias`:
+    with the row-sum bias (False for a copy that feeds only a weight gradient, docs/method.md)."""
+    return [spec.stats(x, cache, unit.sample_rows(x), bias) for x in tensors]
+
+
+class _SwitchedSaves(_SavesActivations, SwitchedUnit):
+    """A kind whose module's forward is replaced (every kind but attention): one forward for both paths, since what
+    differs is only how it saves (`current_spec`); the kinds share one save cache per `find_units` call."""
+
+    def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
+        self._cache = ctx.once(_save_cache)
+        super().__init__(name, module, ctx)
+
+    @abstractmethod
+    def saving_forward(self, *args: Any) -> Any:
+        """The module's computation, saving for the backward as `current_spec()` says."""
+
+    def cheap_forward(self, *args: Any) -> Any:
+        return self.saving_forward(*args)
+
+    def recovery_forward(self, *args: Any) -> Any:
+        return self.saving_forward(*args)
