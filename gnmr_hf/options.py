@@ -1,13 +1,16 @@
 """A backend's options: a dataclass it declares, read from Python, JSON or ``key=value`` text, checked by name.
 
 `GNMRConfig.backend_options` keeps the raw value (a dict, or the text given on the command line, read into a dict
-here without knowing the backend); the backend's own class validates it once, when the units are built.
+here without knowing the backend); the backend's own class types and validates it once, when the units are built.
+Every input form is typed by the same rules, from the field's annotation (`BackendOptions.parse`), so `bits=5`,
+``{"bits": 5.0}`` and ``--backend_options bits=5`` give the same option and ``bits=5.5`` the same error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -22,18 +25,24 @@ OptionsT = TypeVar("OptionsT", bound="BackendOptions")
 @dataclass
 class BackendOptions:
     """Base class of a backend's options: a dataclass whose fields are the options, validated in `__post_init__`
-    with errors that name the option (`check_choice`, `check_int`, `check_bool` help). `parse` reads a mapping, a
-    JSON object or ``key=value,...`` text, converting text to the field types (int, float, bool, str, their
-    Optional forms, and lists of them separated by ';'). Messages name the option; `Backend.parse_options` puts
-    the backend's name in front.
+    with errors that name the option (`check_choice`, `check_int`, `check_bool`).
+
+    `parse` reads a mapping, a JSON object or ``key=value,...`` text and types each value by its field's annotation,
+    the same way for all three: `int` takes an integral number (5 or 5.0, not 5.5 or true), `float` any number,
+    `bool` only true or false, `str` a string, `X | None` also none (null), `list[X]` a list of X (in text, or as one
+    string, items separated by ';'); a string is read as the command line writes it ("5", "true"). A field of
+    another type gets the value as given. Messages name the option; `Backend.parse_options` puts the backend's name
+    in front.
     """
 
     def check_choice(self, name: str, allowed: Sequence[Any]) -> None:
+        """Option `name` must be one of `allowed` (ValueError)."""
         value = getattr(self, name)
         if value not in allowed:
             raise ValueError(f"option {name!r} must be one of {list(allowed)}, got {value!r}")
 
     def check_int(self, name: str, minimum: int, maximum: int | None = None) -> None:
+        """Option `name` must be an int (TypeError) >= `minimum`, and <= `maximum` if given (ValueError)."""
         value = getattr(self, name)
         bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
         if isinstance(value, bool) or not isinstance(value, int):
@@ -42,6 +51,7 @@ class BackendOptions:
             raise ValueError(f"option {name!r} must be an int {bounds}, got {value}")
 
     def check_bool(self, name: str) -> None:
+        """Option `name` must be True or False (TypeError)."""
         value = getattr(self, name)
         if not isinstance(value, bool):
             raise TypeError(f"option {name!r} must be True or False, got {value!r}")
@@ -58,7 +68,7 @@ class BackendOptions:
         if unknown:
             raise ValueError(f"has unknown options {unknown}; known options are {sorted(known)}")
         hints = typing.get_type_hints(cls)
-        values = {name: _coerce(value, hints[name], name) for name, value in data.items()}
+        values = {name: _typed(value, hints[name], name) for name, value in data.items()}
         return cls(**values)
 
 
@@ -90,27 +100,92 @@ def parse_options_text(options: Mapping[str, Any] | str | None, what: str) -> di
     return data
 
 
-def _coerce(value: Any, hint: Any, name: str) -> Any:
-    """Text from the command line to the option's type; other values pass through (validation is the class's)."""
-    if not isinstance(value, str):
+def _as_int(value: Any) -> int:
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            value = float(text)  # "5.0" and "1e3" are integral numbers too; "five" is a ValueError
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and float(value).is_integer():
+        return int(value)
+    raise ValueError(value)
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, str):
+        return float(value.strip())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(value)
+    return float(value)
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, bool):
         return value
-    args = typing.get_args(hint)
-    origin = typing.get_origin(hint)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(value)
+
+
+def _as_str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(value)
+    return value
+
+
+# The scalar types an option is typed to: how, and what a message says is allowed.
+_SCALARS: dict[Any, tuple[Any, str]] = {
+    int: (_as_int, "int (5 or 5.0, not 5.5 or true)"),
+    float: (_as_float, "float (any number)"),
+    bool: (_as_bool, "bool (true or false)"),
+    str: (_as_str, "str"),
+}
+
+
+def _allowed(hint: Any) -> str:
+    """What an option of type `hint` takes, for messages."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value.lower() in ("none", "null") and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], name) if len(inner) == 1 else value
-    if origin in (list, tuple) and args:
-        return [_coerce(v, args[0], name) for v in value.split(";") if v]
+        return " or ".join("none" if a is type(None) else _allowed(a) for a in args)
+    if origin in (list, tuple):
+        inner = getattr(args[0], "__name__", str(args[0])) if args else "Any"
+        return f"list[{inner}] (in text, items separated by ';')"
+    return _SCALARS[hint][1] if hint in _SCALARS else getattr(hint, "__name__", str(hint))
+
+
+def _typed(value: Any, hint: Any, name: str) -> Any:
+    """`value` as option `name`'s annotated type `hint`, whichever form it came in; a ValueError says what is
+    allowed. A type without a rule here passes the value through (the class's `__post_init__` checks it)."""
     try:
-        if hint is bool:
-            lowered = value.lower()
-            if lowered not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(value)
-            return lowered in ("true", "1", "yes")
-        if hint in (int, float):
-            return hint(value)
-    except ValueError:
-        raise ValueError(f"option {name!r} must be {hint.__name__}, got {value!r}") from None
+        return _convert(value, hint)
+    except (TypeError, ValueError):
+        raise ValueError(f"option {name!r} must be {_allowed(hint)}, got {value!r}") from None
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+            return None
+        for arg in args:
+            if arg is not type(None):
+                try:
+                    return _convert(value, arg)
+                except (TypeError, ValueError):
+                    pass
+        raise ValueError(value)
+    if origin in (list, tuple):
+        items = [v for v in value.split(";") if v] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(value)
+        inner = args[0] if args else Any
+        typed = [_convert(item, inner) for item in items]
+        return tuple(typed) if origin is tuple else typed
+    if hint in _SCALARS:
+        return _SCALARS[hint][0](value)
     return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -133,7 +134,7 @@ def test_an_outside_backend_declares_its_own_options_and_gets_them_typed(scaled_
     [
         ("mode=slow", ValueError, r"scaled option 'mode' must be one of \['fast', 'exact'\], got 'slow'"),
         ("bits=1", ValueError, r"scaled option 'bits' must be an int in 2..16, got 1"),
-        ("bits=four", ValueError, r"scaled option 'bits' must be int, got 'four'"),
+        ("bits=four", ValueError, r"scaled option 'bits' must be int \(5 or 5\.0, not 5\.5 or true\), got 'four'"),
         ("scale=-1", ValueError, r"scaled option 'scale' must be > 0"),
         ("colour=red", ValueError, r"unknown options \['colour'\]; known options are \['bits', 'exact_bias', 'mode'"),
     ],
@@ -141,6 +142,75 @@ def test_an_outside_backend_declares_its_own_options_and_gets_them_typed(scaled_
 def test_an_outside_backend_validates_its_options_by_name(scaled_backend, options, error, message):
     with pytest.raises(error, match=message):
         find_units(model(), scaled_backend, backend_options=options)
+
+
+FORMS = ("dict", "json", "text")
+
+
+def _given(form: str, name: str, value: object) -> object:
+    """Option `name` = `value` as a Python dict, a JSON object or key=value text (as the command line writes it)."""
+    if form == "dict":
+        return {name: value}
+    if form == "json":
+        return json.dumps({name: value})
+    return f"{name}={json.dumps(value).strip(chr(34))}"
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("value", [5, 5.0])
+def test_an_int_option_takes_an_integral_number_in_every_form(form, value):
+    bits = ScaledOptions.parse(_given(form, "bits", value)).bits
+    assert bits == 5 and type(bits) is int
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("value", [5.5, True, "five"])
+def test_an_int_option_refuses_a_fraction_a_bool_and_a_word_in_every_form_with_one_message(
+    scaled_backend, form, value
+):
+    message = r"^scaled option 'bits' must be int \(5 or 5\.0, not 5\.5 or true\), got "
+    with pytest.raises(ValueError, match=message):
+        find_units(model(), scaled_backend, backend_options=_given(form, "bits", value))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("value", [True, False])
+def test_a_bool_option_takes_true_or_false_in_every_form(form, value):
+    assert ScaledOptions.parse(_given(form, "exact_bias", value)).exact_bias is value
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("value", [1, 0, "yes"])
+def test_a_bool_option_refuses_anything_else_in_every_form_with_one_message(scaled_backend, form, value):
+    with pytest.raises(ValueError, match=r"^scaled option 'exact_bias' must be bool \(true or false\), got "):
+        find_units(model(), scaled_backend, backend_options=_given(form, "exact_bias", value))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_float_option_takes_an_int_in_every_form(form):
+    scale = ScaledOptions.parse(_given(form, "scale", 3)).scale
+    assert scale == 3.0 and type(scale) is float
+
+
+@pytest.mark.parametrize("form", ("dict", "json"))
+def test_a_str_option_refuses_a_number(scaled_backend, form):
+    with pytest.raises(ValueError, match=r"^scaled option 'mode' must be str, got 5$"):
+        find_units(model(), scaled_backend, backend_options=_given(form, "mode", 5))
+
+
+def test_optional_and_list_options_are_typed_alike_in_every_form():
+    @dataclass
+    class Lists(BackendOptions):
+        layers: list[int] = field(default_factory=list)
+        limit: float | None = None
+
+    for given in ({"layers": [1, 2.0], "limit": None}, '{"layers": [1, 2], "limit": null}', "layers=1;2,limit=none"):
+        options = Lists.parse(given)
+        assert options == Lists(layers=[1, 2]) and all(type(i) is int for i in options.layers)
+    with pytest.raises(ValueError, match=r"^option 'layers' must be list\[int\] \(in text, items separated by ';'\)"):
+        Lists.parse({"layers": [1, 2.5]})
+    with pytest.raises(ValueError, match=r"^option 'limit' must be float \(any number\) or none, got 'big'"):
+        Lists.parse("limit=big")
 
 
 def test_an_outside_backend_takes_its_options_from_the_command_line(scaled_backend):
