@@ -1,23 +1,26 @@
 """The unit contract, once for every backend: every built-in one and the docs' outside backend
 (`examples/bf16_cast_backend.py`, registered from outside the package as a user's would be).
 
-Each backend gets a tiny LLaMA in the form it manages (8-bit, 4-bit, float8-converted, plain) and the same
-specification: a flip adds nothing and leaves the optimizer alone, enter/exit/close are idempotent, close gives the
-module back as found, the ledger holds what the units in recovery hold, a closed unit refuses to enter, a module
-belongs to one open unit, bad options name the backend and the option, and every unit carries its signal and ledger.
+Each backend gets a tiny LLaMA in the form it manages (8-bit, 4-bit, float8-converted, plain) and goes through
+`gnmr_hf.testing.check_backend`, the call an outside backend's author runs: a flip adds nothing, leaves the optimizer
+and the weights alone and works on both paths, enter/exit/close are idempotent, close gives the module back as found,
+the ledger holds what the units in recovery hold, a closed unit refuses to enter, a module belongs to one open unit.
+Beside it: bad options name the backend and the option, and the generic code names no backend.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from gnmr_hf import GNMRCallback, GNMRConfig, RecoverableUnit, UnitSet, find_units, get_backend
+from gnmr_hf import GNMRCallback, GNMRConfig, find_units, get_backend
 from gnmr_hf.registry import known_backends
-from gnmr_hf.units import close_units, unit_of
+from gnmr_hf.testing import check_backend, tiny_llama
+from gnmr_hf.units import unit_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import bf16_cast_backend
@@ -41,127 +44,39 @@ def _float8(path: Path) -> torch.nn.Module:
     return convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: m is not head)
 
 
-def _model(backend: str, path: Path) -> tuple[torch.nn.Module, dict]:
-    """A model the backend has units in, and the options to find them with."""
+def _maker(backend: str, path: Path) -> tuple[Callable[[], torch.nn.Module] | None, dict]:
+    """How to make a model the backend has units in (None: check_backend's tiny LLaMA), and the options to find them
+    with."""
     from gnmr_hf.experiments.tiny import load_4bit_lora, load_int8_lora
 
     if backend == "bnb_int8":
-        return load_int8_lora(path), {}
+        return (lambda: load_int8_lora(path)), {}
     if backend == "bnb_4bit":
-        return load_4bit_lora(path), {}
+        return (lambda: load_4bit_lora(path)), {}
     if backend == "torchao_float8":
-        return _float8(path), {}
+        return (lambda: _float8(path)), {}
     if backend == "act_quant":
-        return _plain(path), {"kinds": "all"}
-    return _plain(path), {}
+        return None, {"kinds": "all"}
+    return None, {}
 
 
-@pytest.fixture(params=BACKENDS)
-def case(request, tiny_llama_dir):
-    model, options = _model(request.param, tiny_llama_dir)
-    units = find_units(model, request.param, **options)
-    yield request.param, model, units
-    units.close()
+def _model(backend: str, path: Path) -> torch.nn.Module:
+    make, _ = _maker(backend, path)
+    return tiny_llama() if make is None else make()
 
 
-def _forward_loss(model: torch.nn.Module) -> torch.Tensor:
-    torch.manual_seed(0)
-    ids = torch.randint(0, 256, (2, 16))
-    return model(input_ids=ids, labels=ids).loss
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_keeps_the_unit_contract(backend, tiny_llama_dir):
+    make_model, options = _maker(backend, tiny_llama_dir)
+    check_backend(backend, make_model, backend_options=options)
 
 
 def test_every_builtin_backend_is_found_without_being_named_by_the_generic_code():
     assert set(BUILTIN) <= set(known_backends()) and "bf16_cast" in known_backends()
     generic = Path(__file__).resolve().parents[1] / "gnmr_hf"
-    for module in ("units.py", "registry.py", "config.py", "callback.py", "signals.py", "options.py"):
+    for module in ("units.py", "registry.py", "config.py", "callback.py", "signals.py", "options.py", "testing.py"):
         text = (generic / module).read_text()
         assert not any(f'"{name}"' in text and name != "bnb_int8" for name in BUILTIN), module
-
-
-def test_find_units_returns_the_owner_of_the_units_it_made(case):
-    backend, _, units = case
-    assert isinstance(units, UnitSet) and units.backend.name == backend and len(units) > 0
-    assert units.names == [u.name for u in units]
-    assert all(u.ledger is units.ledger and unit_of(u.module) is u for u in units)
-    assert all(isinstance(u, RecoverableUnit) and u.backend == backend for u in units)
-    # Every unit says what it is scored on: signal tensors, or an output-gradient meter.
-    assert all(isinstance(u.signal, str) and u.describe()["signal"] == u.signal for u in units)
-    assert all(bool(u.signal_tensors()) != (u.output_grad is not None) for u in units)
-
-
-def test_a_flip_adds_nothing_and_leaves_the_optimizer_alone(case):
-    _, model, units = case
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-    _forward_loss(model).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    ids = [id(p) for p in model.parameters()], [id(b) for b in model.buffers()]
-    keys = list(model.state_dict())
-    groups = [list(map(id, g["params"])) for g in optimizer.param_groups]
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for unit in units:
-        unit.enter_recovery()
-    _forward_loss(model).backward()
-    for unit in units:
-        unit.exit_recovery()
-    assert ([id(p) for p in model.parameters()], [id(b) for b in model.buffers()]) == ids
-    assert list(model.state_dict()) == keys
-    assert [list(map(id, g["params"])) for g in optimizer.param_groups] == groups
-    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
-
-
-def test_enter_exit_are_idempotent_and_the_ledger_holds_what_recovery_holds(case):
-    _, model, units = case
-    _forward_loss(model)  # saved-activation units learn their bytes from a forward
-    first, second = units[0], units[len(units) - 1]
-    first.enter_recovery()
-    first.enter_recovery()
-    second.enter_recovery()
-    _forward_loss(model)
-    held = units.ledger.live_bytes
-    assert units.ledger.live_units == 2 and first.in_recovery and second.in_recovery
-    assert 0 <= held <= first.recovery_bytes() + second.recovery_bytes()
-    first.exit_recovery()
-    first.exit_recovery()
-    assert units.ledger.live_units == 1 and not first.in_recovery
-    second.exit_recovery()
-    assert units.ledger.live_bytes == 0 and units.ledger.peak_bytes >= held
-
-
-def test_close_gives_the_model_back_as_found_and_a_closed_unit_refuses_to_enter(case, tiny_llama_dir):
-    backend = case[0]
-    plain, options = _model(backend, tiny_llama_dir)
-    # In train mode: an eval-mode forward repacks a 4-bit weight for bitsandbytes' CPU kernel.
-    plain.train()
-    before = _forward_loss(plain).detach()
-    hooks = {n: dict(m._forward_hooks) for n, m in plain.named_modules()}
-    config = getattr(plain, "config", None)
-    attn = getattr(config, "_attn_implementation", None)
-    fresh = find_units(plain, backend, **options)
-    for unit in fresh:
-        unit.enter_recovery()
-    fresh.close()
-    fresh.close()  # idempotent
-    assert all("forward" not in m.__dict__ and unit_of(m) is None for m in plain.modules())
-    assert {n: dict(m._forward_hooks) for n, m in plain.named_modules()} == hooks
-    assert getattr(config, "_attn_implementation", None) == attn
-    assert fresh.ledger.live_bytes == 0 and not any(u.in_recovery for u in fresh)
-    assert torch.equal(_forward_loss(plain).detach(), before)
-    with pytest.raises(RuntimeError, match="closed"):
-        fresh[0].enter_recovery()
-
-
-def test_a_module_belongs_to_one_open_unit_and_close_units_cleans_an_interrupted_run(case):
-    backend, model, units = case
-    with pytest.raises(ValueError, match="already belongs to another unit"):
-        find_units(model, backend, backend_options=units[0].options)
-    units[0].enter_recovery()
-    assert close_units(model) == len(units)
-    assert all(u.closed for u in units) and units.ledger.live_bytes == 0
-    again = find_units(model, backend, backend_options=units[0].options)
-    assert again.names == units.names
-    again.close()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -181,7 +96,7 @@ def test_the_callback_names_the_config_field_of_a_bad_backend_option(backend, ti
     with pytest.raises(ValueError, match=rf"^GNMRConfig\.backend_options: {backend} has unknown options"):
         GNMRCallback(GNMRConfig(backend=backend, backend_options="colour=red"))
     # ...and again at train begin if the config was changed since, leaving the model as found.
-    model, _ = _model(backend, tiny_llama_dir)
+    model = _model(backend, tiny_llama_dir)
     callback = GNMRCallback(GNMRConfig(backend=backend))
     callback.config.backend_options = {"colour": "red"}
     args = type("Args", (), {"deepspeed": None, "report_to": []})()
