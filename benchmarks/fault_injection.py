@@ -5,20 +5,21 @@
 During pretraining with `act_quant` linear units (4-bit / 8-bit saved inputs, one scale per token), `--faults` times
 per run a randomly chosen unit's cheap path is corrupted for `--duration` steps, the way a blown-up quantization
 scale would corrupt it: every `--stride`-th token's scale of its saved input is multiplied by `--factor`
-(`unit.fault_scale`, `unit.fault_stride`), which bends that unit's weight gradient, not only its size. The fault
-schedule (steps, units) depends only on the seed, so every arm gets the same faults. A unit on the recovery path
-is immune: its 8-bit copy is saved correctly.
+(`gnmr_hf.experiments.faults`: a `ScaleFault` as the unit's `scale_transform`), which bends that unit's weight
+gradient, not only its size. The fault schedule (steps, units) depends only on the seed, so every arm gets the same
+faults. A unit on the recovery path is immune: its 8-bit copy is saved correctly.
 
 `--backend block_fp` runs the same on block_fp linear units (FP6 e3m2 GEMM inputs, FP8 e4m3 recovery by default,
 `--low_format`, `--high_format`): the fault makes the rounded copy of the unit's input read `--factor` times its
 value on every `--stride`-th token, in its fprop and wgrad GEMMs, as a blown-up scale of those tokens' tiles would
-(`GemmFormat.fault_scale`); the recovery path's copy is correct.
+(a `FaultyGemmFormat` as the unit's cheap format); the recovery path's copy is correct.
 
     python benchmarks/fault_injection.py --backend block_fp --output_dir runs/fault_bfp --learning_rate 1.4e-3
 
 With `--fault_operand grad` (block_fp) the fault is on the unit's output gradient instead: the rounded copy of that
 gradient reads `--factor` times its value on every `--stride`-th token in its dgrad and wgrad GEMMs
-(`GemmFormat.fault_operand`), so that the blown-up gradient flows on, through the dgrad, into every unit before it.
+(`FaultyGemmFormat.fault_operand`), so that the blown-up gradient flows on, through the dgrad, into every unit
+before it.
 
 Arms: `clean` (static low-cost, no fault: what the faults cost), `static_low` (faults, nothing reacts), `gnmr`
 (faults, GNMR), `global_z` (faults, a ZClip-style z-score of the total gradient norm, recovering the `max_active`
@@ -50,7 +51,7 @@ with quiet_unused_imports("block_fp"):
     from transformers import TrainerCallback
 
     from gnmr_hf import GNMRConfig
-    from gnmr_hf.backends.block_fp import FAULT_OPERANDS
+    from gnmr_hf.experiments.faults import OPERANDS, clear_fault, inject_fault
     from gnmr_hf.experiments.pretrain import benchmark_arguments, benchmark_parser, load_corpus, run_arm
     from gnmr_hf.experiments.stabilizers import STABILIZER_ARMS
     from gnmr_hf.trace import read_trace
@@ -62,11 +63,11 @@ class FaultInjector(TrainerCallback):
     """Corrupts one unit's cheap path at a time, by the schedule `plan(num_units)` draws from `seed`."""
 
     def __init__(
-        self, owner: Any, seed: int, faults: int, duration: int, factor: float, stride: int, operand: str | None = None
+        self, owner: Any, seed: int, faults: int, duration: int, factor: float, stride: int, operand: str = "input"
     ) -> None:
         self.owner, self.seed = owner, seed
         self.faults, self.duration, self.factor, self.stride = faults, duration, factor, stride
-        self.operand = operand  # block_fp's `fault_operand`; None: the backend's only one (the input)
+        self.operand = operand  # block_fp: "input" or "grad"; act_quant: "input" (the saved copy)
         self.schedule: list[tuple[int, int]] = []  # (first step, unit index)
 
     def plan(self, num_units: int, max_steps: int) -> list[tuple[int, int]]:
@@ -81,15 +82,15 @@ class FaultInjector(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.schedule = self.plan(len(self.owner.units), args.max_steps)
-        if self.operand is not None:
-            for unit in self.owner.units:
-                unit.fault_operand = self.operand
 
     def on_step_begin(self, args, state, control, **kwargs):
         step = state.global_step + 1
         faulty = {unit for start, unit in self.schedule if start <= step < start + self.duration}
         for i, unit in enumerate(self.owner.units):
-            unit.fault_scale, unit.fault_stride = (self.factor, self.stride) if i in faulty else (1.0, 1)
+            if i in faulty:
+                inject_fault(unit, self.factor, self.stride, self.operand)
+            else:
+                clear_fault(unit)
 
 
 def detection(schedule: list[tuple[int, int]], trace: Path, duration: int, lock_steps: int) -> dict[str, Any]:
@@ -150,7 +151,7 @@ def main() -> None:
     parser.add_argument("--low_format", help="block_fp: the cheap path's element format (e3m2)")
     parser.add_argument("--high_format", help="block_fp: the recovery path's (e4m3)")
     parser.add_argument(
-        "--fault_operand", choices=FAULT_OPERANDS, help="block_fp: the operand whose copy the fault corrupts (input)"
+        "--fault_operand", choices=OPERANDS, help="block_fp: the operand whose copy the fault corrupts (input)"
     )
     parser.add_argument(
         "--stabilizer_options", default="", help="the stabilizer arms' method options beyond its defaults, 'k=v,...'"
@@ -184,7 +185,7 @@ def main() -> None:
             def extra(owner, seed=seed, arm=arm, injectors=injectors):
                 if arm == "clean":
                     return []
-                operand = cli.fault_operand if cli.backend == "block_fp" else None
+                operand = cli.fault_operand if cli.backend == "block_fp" else "input"
                 injector = FaultInjector(owner, seed, cli.faults, cli.duration, cli.factor, cli.stride, operand)
                 injectors.append(injector)
                 return [injector]

@@ -8,6 +8,7 @@ path and in its own dtype (float32) in recovery. Register it, then use it by nam
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,11 @@ class CastUnit(SwitchedUnit):
     """The cheap path casts input, weight and bias to `low_dtype`; recovery is the plain `F.linear`."""
 
     fidelity_bound = "input cast to low_dtype: max(relative L2 error / 2, row-sum bias / 0.1)"
+
+    def describe(self) -> dict[str, Any]:
+        # Counted in the train-begin log and the trace header; precision() reads "formats" (e.g. "bfloat16/float32").
+        recovery = str(self.module.weight.dtype).removeprefix("torch.")
+        return {**super().describe(), "formats": f"{self.options.low_dtype}/{recovery}"}
 
     def input_fidelity(self, x: torch.Tensor) -> OperandStats:
         # policy="cause" only: what the cast loses on a sample of the input's rows, measured on both paths.

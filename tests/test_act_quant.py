@@ -23,6 +23,7 @@ from gnmr_hf.backends.act_quant import (
 )
 from gnmr_hf.backends.act_quant import attention as aq_attention
 from gnmr_hf.backends.act_quant import head as aq_head
+from gnmr_hf.experiments.faults import inject_fault
 from gnmr_hf.experiments.pretrain import SavedTensorMeter, build_model, llama_config
 from gnmr_hf.quant import absmax_error_bound, quantized_nbytes
 
@@ -350,7 +351,7 @@ def test_an_injected_fault_corrupts_only_the_cheap_path():
         return model[0].weight.grad.clone()
 
     clean = weight_grad()
-    unit.fault_scale, unit.fault_stride = 10.0, 4  # rows 0 and 4 get a scale 10x too large
+    inject_fault(unit, 10.0, 4)  # rows 0 and 4 get a scale 10x too large
     faulty = weight_grad()
     rows = torch.ones(8, 1)
     rows[::4] = 10.0

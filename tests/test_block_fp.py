@@ -15,6 +15,7 @@ from torch import nn
 
 from gnmr_hf import GNMRConfig, find_units
 from gnmr_hf.backends.block_fp import BlockFPOptions, GemmFormat, block_fp_linear
+from gnmr_hf.experiments.faults import FaultyGemmFormat, clear_fault, inject_fault
 from gnmr_hf.experiments.pretrain import build_model, llama_config
 from gnmr_hf.quant import FORMATS, quantize_blocks
 
@@ -275,9 +276,9 @@ def test_an_injected_fault_corrupts_only_the_cheap_paths_input_and_shows_in_its_
     model, unit = linear_unit(low_format="e3m2", high_format="e4m3")
     w, b = model[0].weight.detach(), model[0].bias.detach()
     cheap = GemmFormat("e3m2", "fp32")
-    unit.fault_scale, unit.fault_stride = 30.0, 16  # every 16th token's input reads 30x its value
-    assert (unit.fault_scale, unit.fault_stride) == (30.0, 16)
-    faulty = GemmFormat("e3m2", "fp32", 30.0, 16)
+    inject_fault(unit, 30.0, 16)  # every 16th token's input reads 30x its value
+    assert (unit.low.fault_scale, unit.low.fault_stride) == (30.0, 16)
+    faulty = FaultyGemmFormat("e3m2", "fp32", 30.0, 16)
 
     def grads():
         model.zero_grad()
@@ -312,7 +313,7 @@ def test_an_injected_fault_corrupts_only_the_cheap_paths_input_and_shows_in_its_
     grads()
     in_recovery = unit.take_fidelity().item()
     unit.exit_recovery()
-    unit.fault_scale = 1.0
+    clear_fault(unit)
     grads()
     clean = unit.take_fidelity().item()
     assert on_cheap > 1.0 and in_recovery == pytest.approx(on_cheap, rel=1e-5) and clean < 0.2
@@ -321,7 +322,7 @@ def test_an_injected_fault_corrupts_only_the_cheap_paths_input_and_shows_in_its_
 def test_a_fault_on_the_output_gradient_corrupts_only_the_cheap_paths_dgrad_and_wgrad_and_shows_in_its_fidelity():
     x, w, b, dy = operands()
     cheap = GemmFormat("e3m2", "fp32")
-    faulty = GemmFormat("e3m2", "fp32", 30.0, 16, "grad")
+    faulty = FaultyGemmFormat("e3m2", "fp32", 30.0, 16, "grad")
     # By hand: the output gradient's rounded copy, every 16th token times 30, in the dgrad and in the wgrad; the
     # fprop and the input's copy untouched.
     x2, g2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
@@ -340,8 +341,8 @@ def test_a_fault_on_the_output_gradient_corrupts_only_the_cheap_paths_dgrad_and_
     assert torch.equal(faulty.fault_rows(cheap.operand(x2[index], 1), index), cheap.operand(x2[index], 1))
 
     model, unit = linear_unit(low_format="e3m2", high_format="e4m3")
-    unit.fault_scale, unit.fault_stride, unit.fault_operand = 30.0, 16, "grad"
-    assert unit.low == GemmFormat("e3m2", "fp32", 30.0, 16, "grad") and unit.high == GemmFormat("e4m3", "fp32")
+    inject_fault(unit, 30.0, 16, "grad")
+    assert unit.low == FaultyGemmFormat("e3m2", "fp32", 30.0, 16, "grad") and unit.high == GemmFormat("e4m3", "fp32")
 
     def fidelity():
         model.zero_grad()
@@ -355,21 +356,21 @@ def test_a_fault_on_the_output_gradient_corrupts_only_the_cheap_paths_dgrad_and_
     unit.enter_recovery()
     in_recovery = fidelity()
     unit.exit_recovery()
-    unit.fault_scale = 1.0
+    clear_fault(unit)
     assert on_cheap > 1.0 and in_recovery == pytest.approx(on_cheap, rel=1e-5) and fidelity() < 0.2
 
 
 def test_a_fault_operand_must_be_the_input_or_the_output_gradient():
     _, unit = linear_unit()
     with pytest.raises(ValueError, match=r"fault_operand must be one of \('input', 'grad'\), got 'weight'"):
-        unit.fault_operand = "weight"
+        inject_fault(unit, 30.0, operand="weight")
 
 
 def test_a_fault_stride_must_be_a_positive_int():
     _, unit = linear_unit()
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="fault_stride must be an int >= 1"):
-            unit.fault_stride = bad
+            inject_fault(unit, 30.0, stride=bad)
 
 
 def test_eval_mode_runs_the_plain_matmul_unless_quantize_eval():

@@ -18,6 +18,7 @@ from gnmr_hf.backends.bnb import int8_input_loss
 from gnmr_hf.backends.torchao import float8_input_loss
 from gnmr_hf.cause import UnitRelations
 from gnmr_hf.cli import main as cli_main
+from gnmr_hf.experiments.faults import ScaleFault, inject_fault
 from gnmr_hf.experiments.pretrain import build_model, llama_config
 from gnmr_hf.fidelity import (
     Pending,
@@ -89,7 +90,7 @@ def test_act_quant_linear_fidelity_is_zero_for_an_exact_copy_and_known_for_a_blo
     x = torch.arange(-127.0, 128.0).reshape(5, 51)  # absmax 127: every value is an INT8 code
     assert SaveSpec(8).loss(x).item() == 0.0
     # Every row's scale x3 on an unquantized copy: error 2 (bound 2 -> 1), each row's sum x3 (bias 2 * |sum| / L1).
-    blown = SaveSpec(16, fault_scale=3.0, fault_stride=1)
+    blown = SaveSpec(16, scale_transform=ScaleFault(3.0, 1))
     bias = (2 * x.sum(-1).abs() / x.abs().sum(-1)).mean()
     assert blown.loss(x).item() == pytest.approx(max(1.0, bias.item() / 0.1))
 
@@ -128,7 +129,7 @@ def test_an_attention_unit_reports_how_far_its_recomputed_rows_are_from_summing_
     # Unquantized q, k, v: the rows sum to 1 up to float32 rounding.
     assert all(u.take_fidelity().item() < 1e-4 for u in units)
     # A fault that doubles the saved q (and k, v) of layer 0: the recomputed logits are 4x the exact ones.
-    units[0].fault_scale = 2.0
+    inject_fault(units[0], 2.0)
     model(input_ids=ids, labels=ids).loss.backward()
     cheap = units[0].take_fidelity().item()
     assert cheap > 1.0 and units[1].take_fidelity().item() < 1e-4
@@ -339,7 +340,7 @@ def test_quantizing_sampled_rows_gives_the_rows_of_the_whole_tensors_quantizatio
 def test_save_spec_restores_sampled_rows_exactly_as_the_whole_copy_faults_included(scaling, bits):
     x = torch.randn(4, 10, 16, generator=torch.Generator().manual_seed(1))
     rows = torch.tensor([0, 5, 6, 21, 39])
-    for fault in ({}, {"fault_scale": 3.0, "fault_stride": 3}):
+    for fault in ({}, {"scale_transform": ScaleFault(3.0, 3)}):
         spec = SaveSpec(bits, scaling, 8, **fault)
         whole = spec.restore(*spec.save(x)).reshape(-1, 16)
         assert torch.equal(spec.restore_rows(x, rows), whole[rows])
@@ -354,7 +355,7 @@ def test_pending_save_stats_finish_together_to_the_losses_of_the_whole_copies_fa
     # keep each tensor's own scale; the rows a measure reads.
     xs = [(torch.randn(4, 10, 16, generator=g) * s).to(dtype) for s in (1.0, 30.0, 1e-3)]
     rows = torch.tensor([0, 5, 6, 21, 39])
-    for fault in ({}, {"fault_scale": 3.0, "fault_stride": 3}):
+    for fault in ({}, {"scale_transform": ScaleFault(3.0, 3)}):
         spec = SaveSpec(bits, scaling, 8, **fault)
         expected = []
         for x in xs:
@@ -442,7 +443,7 @@ def test_operand_losses_of_a_batch_are_each_operands_loss():
 
 def test_a_save_specs_rounded_copy_is_its_saved_copy():
     x = torch.randn(2, 4, 8, 16, generator=torch.Generator().manual_seed(4)).transpose(1, 2)
-    for spec in (SaveSpec(4), SaveSpec(3, "row"), SaveSpec(4, "group", 8, fault_scale=5.0, fault_stride=2)):
+    for spec in (SaveSpec(4), SaveSpec(3, "row"), SaveSpec(4, "group", 8, scale_transform=ScaleFault(5.0, 2))):
         assert torch.equal(spec.rounded_copy(x), spec.restore(*spec.save(x)))
 
 
@@ -797,7 +798,7 @@ def test_a_planted_cause_in_a_real_model_is_recovered_and_its_projections_are_no
     class Plant(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step + 1 >= 3:
-                gnmr.units[0].fault_scale = 3.0
+                inject_fault(gnmr.units[0], 3.0)
 
     model = _small_llama()
     tokens = torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(0))

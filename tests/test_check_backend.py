@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from torch import nn
 
 from gnmr_hf import Backend, SwitchedUnit
 from gnmr_hf.testing import check_backend, tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Float64Unit(SwitchedUnit):
@@ -150,3 +154,22 @@ def test_a_forward_that_fails_on_one_path_is_named():
 def test_import_gnmr_hf_does_not_import_the_testing_module():
     code = "import gnmr_hf, sys; assert 'gnmr_hf.testing' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _own_backend_snippets() -> list[str]:
+    """The python blocks of docs/backends.md's "A backend of your own", but the example file it shows whole."""
+    text = (ROOT / "docs" / "backends.md").read_text()
+    section = text.split("\n## A backend of your own\n", 1)[1].split("\n## ", 1)[0]
+    example = (ROOT / "examples" / "bf16_cast_backend.py").read_text().rstrip()
+    return [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if b.rstrip() != example]
+
+
+def test_the_snippets_of_a_backend_of_your_own_run_as_written(monkeypatch):
+    snippets = _own_backend_snippets()
+    assert any("check_backend(" in s for s in snippets)
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    for i, snippet in enumerate(snippets):
+        # Each as a module of its own, as a user's file would run it (a dataclass looks its module up).
+        module = types.ModuleType(f"backends_md_snippet{i}")
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        exec(compile(snippet, "docs/backends.md", "exec"), module.__dict__)

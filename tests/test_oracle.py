@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from gnmr_hf import find_units
+from gnmr_hf.experiments.faults import inject_fault
 from gnmr_hf.experiments.oracle import oracle_agreement, recovery_benefits, recovery_gaps, spearman
 
 
@@ -142,7 +143,7 @@ def test_the_benefit_goes_to_the_cause_of_a_corrupted_gradient_not_to_where_it_s
     model = Chain()
     batch = {"x": 4 * torch.randn(64, 32), "labels": torch.randn(64)}
     units = find_units(model, "block_fp", low_format="e4m3", high_format="bf16")
-    units[1].fault_scale = 30.0  # b's input copy is 30 times its value: b's output, and every gradient, corrupted
+    inject_fault(units[1], 30.0)  # b's input copy is 30 times its value: b's output, and every gradient, corrupted
     gaps = recovery_gaps(model, units, batch)
     benefits = recovery_benefits(model, units, batch)
     # a's own cheap path (e4m3) is close to exact, but its gradient is far from the recovery path's: the gap shows

@@ -8,7 +8,6 @@ itself is never written, so recovery holds nothing. Formats, scaling and error b
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,6 @@ from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit, not
 __all__ = [
     "BACKENDS",
     "BLOCK_FP",
-    "FAULT_OPERANDS",
     "BlockFPLinear",
     "BlockFPOptions",
     "BlockFPUnit",
@@ -39,24 +37,18 @@ TILE = 128
 MX_BLOCK = 32
 
 
-# What an injected fault corrupts (`GemmFormat.fault_operand`): the Linear's input, or its output gradient.
-FAULT_OPERANDS = ("input", "grad")
-
-
 @dataclass(frozen=True)
 class GemmFormat:
     """How one path rounds the inputs of a Linear's GEMMs: an element format (a key of `quant.FORMATS`, or "bf16")
     and a scaling mode ("fp32": 1x128 tiles, 128x128 weight blocks, FP32 scales; "mx": 32-element blocks,
-    power-of-two scales)."""
+    power-of-two scales).
+
+    `BlockFPLinear` rounds the Linear's input through `input_operand` and its output gradient through
+    `grad_operand`, and a measure rounds sampled rows of them through `input_rows` and `grad_rows`: a format that
+    treats either apart overrides those (`gnmr_hf/experiments/faults.py`, `benchmarks/head_gemm_split.py`)."""
 
     fmt: str
     scaling: str
-    # An injected fault (`benchmarks/fault_injection.py`; 1.0 = none): the copy of `fault_operand`, the input (in the
-    # fprop and wgrad GEMMs) or the output gradient (in the dgrad and wgrad GEMMs), reads `fault_scale` times its
-    # value on every `fault_stride`-th token, as a blown-up scale of those tokens' tiles would make it.
-    fault_scale: float = 1.0
-    fault_stride: int = 1
-    fault_operand: str = "input"
 
     def operand(self, t: torch.Tensor, contract: int, *, weight: bool = False) -> torch.Tensor:
         """2-D `t` as a GEMM multiplies it, float32: blocks run along dimension `contract` (0 rows, 1 columns) of t,
@@ -70,28 +62,21 @@ class GemmFormat:
         return quantize_blocks(t, self.fmt, (1, TILE) if contract else (TILE, 1))
 
     def input_operand(self, x2: torch.Tensor, contract: int) -> torch.Tensor:
-        """`operand` of a Linear's input `x2` ([tokens, features]), with any injected fault."""
-        return self._faulty(self.operand(x2, contract), "input")
+        """`operand` of a Linear's input `x2` ([tokens, features])."""
+        return self.operand(x2, contract)
 
     def grad_operand(self, g2: torch.Tensor, contract: int) -> torch.Tensor:
-        """`operand` of a Linear's output gradient `g2` ([tokens, out features]), with any injected fault."""
-        return self._faulty(self.operand(g2, contract), "grad")
+        """`operand` of a Linear's output gradient `g2` ([tokens, out features])."""
+        return self.operand(g2, contract)
 
-    def _faulty(self, rounded: torch.Tensor, operand: str) -> torch.Tensor:
-        if self.fault_scale != 1.0 and operand == self.fault_operand:
-            rounded[:: self.fault_stride] *= self.fault_scale  # `operand` returns a fresh tensor
-        return rounded
+    def input_rows(self, x_rows: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        """What `input_operand(x2, 1)` reads at the rows `index` of x2 (all when None), from those rows alone
+        (`x_rows`): activation tiles run along a row, so the rows round apart as in the whole."""
+        return self.operand(x_rows, 1)
 
-    def fault_rows(self, rows_q: torch.Tensor, index: torch.Tensor | None, operand: str = "input") -> torch.Tensor:
-        """The fault of `input_operand` (`operand` "input") or `grad_operand` ("grad") on `rows_q`, the rounded
-        rows `index` of that operand (all rows when None), so that rows rounded apart read what the whole copy reads
-        there."""
-        if self.fault_scale == 1.0 or operand != self.fault_operand:
-            return rows_q
-        if index is None:
-            index = torch.arange(len(rows_q), device=rows_q.device)
-        hit = (index % self.fault_stride == 0).unsqueeze(-1)
-        return torch.where(hit, rows_q * self.fault_scale, rows_q)
+    def grad_rows(self, g_rows: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        """`input_rows` of the output gradient: what `grad_operand(g2, 1)` reads at the rows `index` of g2."""
+        return self.operand(g_rows, 1)
 
 
 class BlockFPLinear(torch.autograd.Function):
@@ -166,7 +151,7 @@ def _forward_probe(
     x_part = cache.get(x, key)
     if x_part is None:
         x_rows = take_rows(x2, rows)
-        xq_rows = take_rows(xq, rows) if cheap == fmt else cheap.fault_rows(cheap.operand(x_rows, 1), rows)
+        xq_rows = take_rows(xq, rows) if cheap == fmt else cheap.input_rows(x_rows, rows)
         x_part = pending_operand(x_rows, xq_rows)
         cache.put(x, key, x_part)
     w_part = unit.weight_part(weight, wq if cheap == fmt else None)
@@ -177,7 +162,7 @@ def _forward_probe(
 def _backward_probe(probe: tuple[Any, ...], fmt: GemmFormat, g2: torch.Tensor, gq: torch.Tensor | None) -> None:
     unit, cheap, rows, forward_parts = probe
     g_rows = take_rows(g2, rows)
-    cheap_g = take_rows(gq, rows) if cheap == fmt else cheap.fault_rows(cheap.operand(g_rows, 1), rows, "grad")
+    cheap_g = take_rows(gq, rows) if cheap == fmt else cheap.grad_rows(g_rows, rows)
     unit.report_fidelity(*forward_parts, pending_operand(g_rows, cheap_g))
 
 
@@ -240,7 +225,8 @@ class BlockFPOptions(SignalOptions):
 
 class BlockFPUnit(SwitchedUnit):
     """One `nn.Linear` whose GEMMs run on `low_format` (cheap) or `high_format` (recovery). Build it with
-    `find_units(model, "block_fp")`, not directly."""
+    `find_units(model, "block_fp")`, not directly. `low` and `high` are the two paths' `GemmFormat`s; an
+    experiment may replace `low` (the cheap path's fidelity is measured on it on both paths)."""
 
     options: BlockFPOptions
     fidelity_bound = (
@@ -258,39 +244,6 @@ class BlockFPUnit(SwitchedUnit):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "formats": f"{self.low.fmt}/{self.high.fmt}", "scaling": self.low.scaling}
-
-    # An injected fault on the cheap path only (`GemmFormat.fault_scale`), set as on an act_quant unit: the recovery
-    # path and the weight's measure read correct copies; the faulty operand's measure (the input's, or with
-    # `fault_operand` "grad" the output gradient's) reads the faulty copy on both paths.
-    @property
-    def fault_scale(self) -> float:
-        return self.low.fault_scale
-
-    @fault_scale.setter
-    def fault_scale(self, value: float) -> None:
-        self.low = dataclasses.replace(self.low, fault_scale=float(value))
-
-    @property
-    def fault_stride(self) -> int:
-        return self.low.fault_stride
-
-    @fault_stride.setter
-    def fault_stride(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"block_fp unit {self.name!r}: fault_stride must be an int >= 1, got {value!r}")
-        self.low = dataclasses.replace(self.low, fault_stride=value)
-
-    @property
-    def fault_operand(self) -> str:
-        return self.low.fault_operand
-
-    @fault_operand.setter
-    def fault_operand(self, value: str) -> None:
-        if value not in FAULT_OPERANDS:
-            raise ValueError(
-                f"block_fp unit {self.name!r}: fault_operand must be one of {FAULT_OPERANDS}, got {value!r}"
-            )
-        self.low = dataclasses.replace(self.low, fault_operand=value)
 
     def weight_part(self, weight: torch.Tensor, cheap_wq: torch.Tensor | None) -> Any:
         """The fidelity part of the weight on the cheap path (`cheap_wq`: its cheap rounding where the forward has

@@ -7,7 +7,7 @@ float32 scales, so saved-tensor hooks see the real bytes). Unit kinds (`kinds`, 
 `attn_implementation="gnmr_act_quant"` (FlashAttention-style: the backward recomputes the probabilities from q, k and
 the row logsumexp); `mlp`, a SwiGLU MLP's product operands; `norm`, an RMSNorm's input; `head`, the output head's
 input, with the causal-LM loss in chunks so that no logits are kept. A flip changes what the next forward saves.
-Kinds, bits, scaling, bounds, the ledger and fault injection: docs/act_quant.md.
+Kinds, bits, scaling, bounds and the ledger: docs/act_quant.md.
 
 One file per concern: `options`, `saving` (how a tensor is saved and what that loses), `base` (what every unit
 shares), then one per kind (`linear`, `attention`, `mlp`, `norm`, `head`); here, which kind a module is.

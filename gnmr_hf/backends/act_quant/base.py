@@ -15,15 +15,16 @@ from torch import nn
 from ...fidelity import OperandStats
 from ...units import DispatchContext, RecoverableUnit, SwitchedUnit
 from .options import ActQuantOptions
-from .saving import SaveCache, SaveSpec
+from .saving import SaveCache, SaveSpec, ScaleTransform
 
 
 class _SavesActivations(RecoverableUnit):
-    """What both unit kinds share: the bits of the next forward's saved tensors, and the ledger's bytes.
+    """What every unit kind shares: the bits of the next forward's saved tensors, and the ledger's bytes.
 
-    `fault_scale` (1.0 = none) multiplies every `fault_stride`-th scale the cheap path saves: an injected fault
-    (`benchmarks/fault_injection.py`). The recovery path holds, per forward, the extra bytes of the saved tensors at
-    `high_bits` over `low_bits`; they follow batch x sequence, so each recovery forward re-states them.
+    `scale_transform` (None: none) is the cheap path's `SaveSpec.scale_transform`, the seam through which an
+    experiment perturbs what the cheap path stores. The recovery path holds, per forward, the extra bytes of the
+    saved tensors at `high_bits` over `low_bits`; they follow batch x sequence, so each recovery forward re-states
+    them.
     """
 
     options: ActQuantOptions
@@ -31,7 +32,7 @@ class _SavesActivations(RecoverableUnit):
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext[ActQuantOptions]) -> None:
         options = ctx.options
         self.low_bits, self.high_bits = options.low_bits, options.high_bits
-        self.fault_scale, self.fault_stride = 1.0, 1
+        self.scale_transform: ScaleTransform | None = None
         self._max_extra = 0
         super().__init__(name, module, ctx)
 
@@ -39,16 +40,16 @@ class _SavesActivations(RecoverableUnit):
         return {**super().describe(), "kind": self.kind, "bits": f"{self.low_bits}/{self.high_bits}"}
 
     def current_spec(self) -> SaveSpec:
-        """How the next forward saves: `high_bits` in recovery, else `low_bits` with any injected fault."""
+        """How the next forward saves: `high_bits` in recovery, else `cheap_spec()`."""
         return self.options.spec(self.high_bits) if self._recovering else self.cheap_spec()
 
     def cheap_spec(self) -> SaveSpec:
-        """How the cheap path saves (`low_bits`, with any injected fault), also while the unit is in recovery: its
-        fidelity is measured on it either way."""
+        """How the cheap path saves (`low_bits`, with the unit's `scale_transform`), also while the unit is in
+        recovery: its fidelity is measured on it either way."""
         spec = self.options.spec(self.low_bits)
-        if self.fault_scale == 1.0:
+        if self.scale_transform is None:
             return spec
-        return dataclasses.replace(spec, fault_scale=self.fault_scale, fault_stride=self.fault_stride)
+        return dataclasses.replace(spec, scale_transform=self.scale_transform)
 
     def measure(self, *tensors: torch.Tensor) -> None:
         """Record the extra bytes the recovery path saves for these tensors; state them to the ledger in recovery."""

@@ -5,6 +5,7 @@ loses, on sampled rows and without packing, batched over a step (`gnmr_hf.fideli
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,18 +33,25 @@ from ...quant import (
 # The bits of a copy saved as it is.
 UNQUANTIZED = 16
 
+# `SaveSpec.scale_transform`: (scales, their positions among the copy's, None for all in order) -> scales stored.
+ScaleTransform = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """How one forward saves a tensor: bit width (16: unquantized) and absmax scaling. `fault_scale` != 1 multiplies
-    every `fault_stride`-th stored scale (every such row when unquantized): an injected fault."""
+    """How one forward saves a tensor: bit width (16: unquantized) and absmax scaling.
+
+    `scale_transform` (None: none) is a hook for experiments that perturb a copy (`gnmr_hf/experiments/faults.py`): it
+    gets the flat scales a copy stores, or an unquantized copy's rows (which stand for its scales), with their
+    positions in the whole copy (None: all, in order), and returns what is stored in their place. Every copy this
+    spec gives back, and every measure of what it loses, reads the transformed scales.
+    """
 
     bits: int
     scaling: str = "tensor"
     group_size: int = 32
     stochastic: bool = False
-    fault_scale: float = 1.0
-    fault_stride: int = 1
+    scale_transform: ScaleTransform | None = None
 
     def group_for(self, shape: torch.Size) -> int | None:
         """The `group_size` argument of `quantize_absmax` for a tensor of `shape`."""
@@ -63,9 +71,9 @@ class SaveSpec:
         """(tensors for `ctx.save_for_backward`, metadata for `restore`). With a `cache`, a tensor already quantized
         the same way (the one input q, k and v projections share) is not quantized and stored twice."""
         if self.bits == UNQUANTIZED:
-            if self.fault_scale == 1.0:
+            if self.scale_transform is None:
                 return (x,), None
-            return (self._corrupt(x.reshape(-1, x.shape[-1])).reshape(x.shape),), None
+            return (self.scale_transform(x.reshape(-1, x.shape[-1]), None).reshape(x.shape),), None
         key = self._key(x)
         entry = None if cache is None else cache.get(x, key)
         if entry is None:
@@ -74,7 +82,7 @@ class SaveSpec:
             if cache is not None:
                 cache.put(x, key, entry)
         (packed, scales), meta = entry
-        return (packed, self._corrupt(scales.reshape(-1)).reshape(scales.shape)), meta
+        return (packed, self._stored(scales.reshape(-1), None).reshape(scales.shape)), meta
 
     def _key(self, x: torch.Tensor) -> tuple[Any, ...]:
         return (self.bits, self.group_for(x.shape), self.stochastic, x._version)
@@ -101,8 +109,8 @@ class SaveSpec:
                 scale, group = self._tensor_scale(x, cache), self.group_for(x.shape)
                 # The key is a value (spec, dtype, group, bias) and the function a plain one, so that the operands of
                 # every unit with the same rounding finish together (bound methods compare their instance by id).
-                # With one scale per tensor the part keeps that scale (a fault multiplies it); otherwise the row
-                # indices, which row-local scales and a fault on unquantized rows need.
+                # With one scale per tensor the part keeps that scale; otherwise the row indices, which row-local
+                # scales and a transform of unquantized rows (by their positions) need.
                 kept = (rows,) if scale is None else (scale.reshape(1),)
                 pending = Pending(SaveSpec._finish_losses, (self, x.dtype, group, bias), exact, *kept)
                 cached = defer(pending)
@@ -117,13 +125,13 @@ class SaveSpec:
         self, dtype, group, bias = key
         exact = exact.float()
         if self.bits == UNQUANTIZED:
-            hit = (kept % self.fault_stride == 0).unsqueeze(-1)
-            rounded = exact if self.fault_scale == 1.0 else torch.where(hit, exact * self.fault_scale, exact)
+            rounded = self._stored(exact, kept)
         elif group is None:
-            # Each tensor's rows at its own scale ([P, 1]); an injected fault multiplies that one scale.
+            # Each tensor's rows at its own scale ([P, 1]), stored as its copy's one scale: position 0 of each, so
+            # the P of them are one row of [1, P] for the scale transform.
             scale = kept.reshape(-1, 1)
             codes = round_codes(exact, scale, self.bits, stochastic=self.stochastic)
-            rounded = codes.mul_((scale * self.fault_scale if self.fault_scale != 1.0 else scale).unsqueeze(-1))
+            rounded = codes.mul_(self._stored(kept.reshape(1, -1), None).reshape(-1, 1, 1))
         else:
             rounded = torch.stack(
                 [self._round_rows(e, i, torch.float32, group, None) for e, i in zip(exact, kept, strict=True)]
@@ -134,8 +142,8 @@ class SaveSpec:
 
     def restore_rows(self, x: torch.Tensor, rows: torch.Tensor | None, cache: SaveCache | None = None) -> torch.Tensor:
         """Rows `rows` (all when None) of what saving `x` this way gives back, as [-1, x.shape[-1]], computing only
-        those rows: with deterministic rounding the same values `restore(*save(x))` has there, faults included.
-        One scale per tensor is the copy's in `cache` when it holds one, else computed from all of `x`."""
+        those rows: with deterministic rounding the same values `restore(*save(x))` has there, scale transform
+        included. One scale per tensor is the copy's in `cache` when it holds one, else computed from all of `x`."""
         return self._rounded(x, take_rows(x.detach(), rows), rows, cache).to(x.dtype)
 
     def _rounded(
@@ -147,8 +155,8 @@ class SaveSpec:
         return self._round_rows(exact, rows, x.dtype, self.group_for(x.shape), self._tensor_scale(x, cache))
 
     def rounded_copy(self, x: torch.Tensor, cache: SaveCache | None = None) -> torch.Tensor:
-        """What `restore(*save(x))` gives back (deterministic rounding, faults included), computed without packing
-        the codes: for a measure that needs every row of the copy."""
+        """What `restore(*save(x))` gives back (deterministic rounding, scale transform included), computed without
+        packing the codes: for a measure that needs every row of the copy."""
         rows = take_rows(x.detach(), None)
         index = torch.arange(len(rows), device=x.device)
         scale = self._tensor_scale(x, cache)
@@ -165,37 +173,26 @@ class SaveSpec:
     def _round_rows(
         self, exact: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype, group: int | None, scale: Any
     ) -> torch.Tensor:
-        """The rounded copy of `exact` (rows `rows` of a tensor of `dtype`), float32, faults included; `scale`: the
-        tensor's one scale when it has one."""
+        """The rounded copy of `exact` (rows `rows` of a tensor of `dtype`), float32, scale transform included;
+        `scale`: the tensor's one scale when it has one."""
         if self.bits == UNQUANTIZED:
-            return self._corrupt_at(exact, rows).float()
+            return self._stored(exact, rows).float()
         codes, scales = absmax_round_rows(
             None, exact, self.bits, group_size=group, stochastic=self.stochastic, scale=scale
         )  # fmt: skip
-        if self.fault_scale != 1.0 and group is None:
-            scales = scales * self.fault_scale  # the one scale: index 0, always hit
-        elif self.fault_scale != 1.0:
+        if self.scale_transform is not None and group is None:
+            scales = self.scale_transform(scales, None)  # the one scale ([1, 1]): position 0
+        elif self.scale_transform is not None:
             # Scale j of sampled row i is scale rows[i] * per_row + j of the whole tensor's.
             per_row = scales.shape[-1]
             index = (rows.unsqueeze(-1) * per_row + torch.arange(per_row, device=rows.device)).reshape(-1)
-            scales = self._corrupt_at(scales.reshape(-1), index).reshape(scales.shape)
+            scales = self.scale_transform(scales.reshape(-1), index).reshape(scales.shape)
         rounded = codes.mul_(scales.unsqueeze(-1)).reshape(len(rows), -1)
         return rounded if dtype == torch.float32 else rounded.to(dtype).float()
 
-    def _corrupt(self, rows: torch.Tensor) -> torch.Tensor:
-        """`rows` with every `fault_stride`-th one multiplied by `fault_scale` (a copy), or `rows` itself."""
-        if self.fault_scale == 1.0:
-            return rows
-        rows = rows.clone()
-        rows[:: self.fault_stride] *= self.fault_scale
-        return rows
-
-    def _corrupt_at(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """`_corrupt` for the rows `rows` that are rows `index` of the whole: those at a multiple of the stride."""
-        if self.fault_scale == 1.0:
-            return rows
-        hit = (index % self.fault_stride == 0).reshape(-1, *([1] * (rows.dim() - 1)))
-        return torch.where(hit, rows * self.fault_scale, rows)
+    def _stored(self, scales: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        """`scales` as stored: through `scale_transform`, or themselves."""
+        return scales if self.scale_transform is None else self.scale_transform(scales, index)
 
     @staticmethod
     def restore(saved: tuple[torch.Tensor, ...], meta: dict[str, Any] | None) -> torch.Tensor:
