@@ -2,14 +2,14 @@
 
     python benchmarks/peerless_check.py runs/fp4_mx_cause/gnmr_cause/seed0/gnmr_trace.jsonl
 
-A unit without peers (`gnmr_hf.cause.UnitRelations`: fewer than 3 of the same unit in other layers) is compared with
-the median of all measured units: broken when its fidelity is past `cause_suspect` and `cause_peer_factor` times
-that median (docs/method.md, "Relations: families and peers"). For each trace this prints, per peerless unit, the
-steps its fidelity is in the trace's top-k severities, its largest value, and the steps on which the rule fires while
-its own bound does not (fidelity in (suspect, 1]): what the rule adds to a run recorded before it, read from the
-recorded severities. The median is taken over the severities the trace lists (`trace_top_k` lossiest units); with
-fewer listed than units it is an upper bound of the true median, so a step counted here fires for certain and a
-step not listed (the unit below the k-th largest loss) could not have fired unless that loss was past `suspect`.
+A unit without peers (`gnmr_hf.policies.cause.UnitRelations`: fewer than 3 of the same unit in other layers) is
+compared with the median of all measured units: broken when its fidelity is past `cause_suspect` and
+`cause_peer_factor` times that median (docs/method.md, "Relations: families and peers"). For each trace this prints,
+per peerless unit, the steps its fidelity is in the trace's top-k severities, its largest value, and the steps on which
+the rule fires while its own bound does not (fidelity in (suspect, 1]): what the rule adds to a run recorded before it,
+read from the recorded severities. The median is taken over the severities the trace lists (`trace_top_k` lossiest
+units); with fewer listed than units it is an upper bound of the true median, so a step counted here fires for certain
+and a step not listed (the unit below the k-th largest loss) could not have fired unless that loss was past `suspect`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gnmr_hf.cli import quiet_unused_imports
 with quiet_unused_imports():
     import torch
 
-    from gnmr_hf.cause import UnitRelations
+    from gnmr_hf.policies.cause import UnitRelations
     from gnmr_hf.trace import read_trace
 
 

@@ -23,7 +23,8 @@ from .options import BackendOptions
 
 if TYPE_CHECKING:
     from .callback import GNMRCallback
-    from .controller import Decision, GNMRController, HostDecision, Selection
+    from .controller import Decision, GNMRController, HostDecision
+    from .policy import Choice, Policy, PolicyOptions, Scores, get_policy, register_policy
     from .registry import find_units, get_backend, register_backend
     from .signals import OutputGradMeter, Signal, SignalOptions, UnitSignals
     from .trainer import GNMRTrainer
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Backend",
     "BackendOptions",
+    "Choice",
     "Decision",
     "DispatchContext",
     "GNMRCallback",
@@ -50,9 +52,11 @@ __all__ = [
     "GNMRTrainer",
     "HostDecision",
     "OutputGradMeter",
+    "Policy",
+    "PolicyOptions",
     "RecoverableUnit",
     "RecoveryLedger",
-    "Selection",
+    "Scores",
     "Signal",
     "SignalOptions",
     "SwitchedUnit",
@@ -62,12 +66,15 @@ __all__ = [
     "apply_decision",
     "find_units",
     "get_backend",
+    "get_policy",
     "register_backend",
+    "register_policy",
 ]
 
 # Each public name that needs torch, and the module that defines it (imported on first use).
 _LAZY = {
-    **dict.fromkeys(("Decision", "GNMRController", "HostDecision", "Selection"), ".controller"),
+    **dict.fromkeys(("Decision", "GNMRController", "HostDecision"), ".controller"),
+    **dict.fromkeys(("Choice", "Policy", "PolicyOptions", "Scores", "get_policy", "register_policy"), ".policy"),
     **dict.fromkeys(("find_units", "get_backend", "register_backend"), ".registry"),
     **dict.fromkeys(("OutputGradMeter", "Signal", "SignalOptions", "UnitSignals"), ".signals"),
     **dict.fromkeys(("Backend", "DispatchContext", "RecoverableUnit", "RecoveryLedger"), ".units"),

@@ -26,11 +26,11 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .cause import UnitRelations
 from .config import GNMRConfig
-from .controller import GNMRController, HostDecision, Selection
+from .controller import GNMRController, HostDecision
 from .integrations.deepspeed import DeepSpeedZero
 from .options import BackendOptions
+from .policy import make_policy
 from .registry import find_units, get_backend
 from .signals import UnitSignals
 from .trace import TraceSummary, TraceWriter, set_aside
@@ -54,8 +54,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
         config: a `GNMRConfig`, or a dict of its fields (as stored in a checkpoint).
         module_filter_fn: optional `fn(module, fqn) -> bool` narrowing the units (not saved in checkpoints;
             use `config.include` / `config.exclude` for runs that restore callback state).
-        selection: a `Selection` that chooses the recovery set instead of the paper's policy (a baseline); such a
-            run does not resume.
+        ahead_of_reporting: the caller put this callback ahead of the Trainer's reporting integrations (TensorBoard,
+            W&B, ...), so they get the gnmr/* metrics it adds to each log; `GNMRTrainer` does. When False and
+            `report_to` names any, train begin warns that they miss those metrics.
         **config_kwargs: shorthand for `GNMRConfig` fields, e.g. `GNMRCallback(max_active=2)`.
     """
 
@@ -64,7 +65,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         config: GNMRConfig | dict[str, Any] | None = None,
         *,
         module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-        selection: Selection | None = None,
+        ahead_of_reporting: bool = False,
         **config_kwargs: Any,
     ) -> None:
         if isinstance(config, dict):
@@ -75,14 +76,15 @@ class GNMRCallback(TrainerCallback, ExportableState):
             raise TypeError("GNMRCallback: pass either a GNMRConfig or keyword fields, not both")
         if not isinstance(config, GNMRConfig):
             raise TypeError(f"GNMRCallback: config must be a GNMRConfig or a dict, got {type(config).__name__}")
-        if selection is not None and not isinstance(selection, Selection):
-            raise TypeError(f"GNMRCallback: selection must be a Selection, got {type(selection).__name__}")
-        # The config is a leaf that imports no backend, so it takes any name; check the backend and its options here,
-        # when the user builds the callback (or GNMRTrainer), not at train begin after the model is prepared.
+        if not isinstance(ahead_of_reporting, bool):
+            raise TypeError(f"GNMRCallback: ahead_of_reporting must be True or False, got {ahead_of_reporting!r}")
+        # The config is a leaf that imports no backend or policy, so it takes any name; check both and their options
+        # here, when the user builds the callback (or GNMRTrainer), not at train begin after the model is prepared.
         _backend_and_options(config)
+        make_policy(config)
         self.config = config
         self.module_filter_fn = module_filter_fn
-        self.selection = selection
+        self.ahead_of_reporting = ahead_of_reporting
         self.units: Sequence[RecoverableUnit] = []
         self.signals: UnitSignals | None = None
         self.controller: GNMRController | None = None
@@ -102,7 +104,6 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self._gradient_state: Any = None
         self._scaler: Any = None
         self._model: nn.Module | None = None
-        self._placed_first = False  # GNMRTrainer puts this callback ahead of the reporting integrations
         self._zero: DeepSpeedZero | None = None
         self._warmup_check_step = 0
         self._window: dict[str, float] = {}
@@ -115,7 +116,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if self._trace is not None:
             self._trace.flush()
         return {
-            "args": {"config": self.config.to_dict()},
+            "args": {"config": self.config.to_dict(), "ahead_of_reporting": self.ahead_of_reporting},
             "attributes": {
                 "controller_state": self.controller.json_state() if self.controller is not None else None,
                 "summary_state": self.summary.state() if self.summary is not None else None,
@@ -175,28 +176,28 @@ class GNMRCallback(TrainerCallback, ExportableState):
         cfg = self.config
         names = [u.name for u in self.units]
         self.signals = UnitSignals(self.units, dp_group=_data_parallel_group(), model=self._model)
-        if self.selection is not None:
-            if state.global_step > 0:
-                raise ValueError(
-                    f"GNMRCallback: selection {self.selection.name!r} does not resume; start the run anew"
-                )
-            self.selection.bind(names, self.signals.device)
-        relations = None
-        if cfg.policy == "cause" and self.selection is None:
-            # The cause policy reads what each unit's cheap path loses: the units measure it from now on.
+        policy = make_policy(cfg)
+        if not policy.resumes and state.global_step > 0:
+            raise ValueError(f"GNMRCallback: policy {policy.name!r} does not resume; start the run anew")
+        if policy.measures:
+            # The policy reads what each unit's cheap path loses: the units measure it from now on.
             for unit in self.units:
                 unit.start_measuring(
                     cfg.cause_fidelity_rows, clock=lambda: state.global_step, recovery_every=cfg.recovery_every
                 )
-            relations = UnitRelations.from_names(names, [_kind(u) for u in self.units])
         self.controller = GNMRController(
-            cfg, len(self.units), self.signals.device, selection=self.selection, relations=relations
+            cfg,
+            len(self.units),
+            self.signals.device,
+            policy=policy,
+            names=names,
+            kinds=[u.kind for u in self.units],
         )
         self.summary = TraceSummary(unit_names=names)
         self._restore(state, names)
         self._gradient_state = _gradient_state()
         self._scaler = _loss_scaler(optimizer)
-        if getattr(args, "report_to", None) and not self._placed_first:
+        if getattr(args, "report_to", None) and not self.ahead_of_reporting:
             # Trainer.log() builds each log's dict itself and hands it to the callbacks in list order, and the
             # Trainer puts the reporting integrations ahead of every callback it is given (callbacks= as well as
             # add_callback). No event hands a callback the Trainer or its callback list, so it cannot move itself
@@ -241,9 +242,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 "config": cfg.to_dict(),
                 "paths": [u.precision() for u in self.units],
             }
-            if relations is not None:
-                header["families"] = [relations.family_names[f] for f in relations.families]
-                header["fidelity_bounds"] = {_kind(u): u.fidelity_bound for u in self.units}
+            header |= policy.describe()
+            if policy.measures:
+                header["fidelity_bounds"] = {u.kind: u.fidelity_bound for u in self.units}
             self._trace = TraceWriter(path, header, resume_step=state.global_step)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
@@ -279,7 +280,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if not cfg.monitor_only:
             apply_decision(self.units, decision.exited, decision.entered)
         self.last_decision = decision
-        self.summary.add(decision.active, decision.entered, decision.exited, decision.risky)
+        self.summary.add(decision.active, decision.entered, decision.exited, decision.risky, decision.left_out)
         self._accumulate(decision)
         if self._trace is not None:
             self._trace.write(decision, step=step)
@@ -307,6 +308,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
     def on_train_end(self, args, state, control, **kwargs):
         if self.summary is not None and state.is_world_process_zero:
             _show(self.summary.format())
+            self._warn_budget(args)
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
                 json.dump(self.summary.as_dict(), f, indent=2)
@@ -430,6 +432,26 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self._scale_at_capture = None
         return skipped.reshape(())
 
+    def _warn_budget(self, args: Any) -> None:
+        """Say so when the budget kept units off the recovery path that asked for it persistently (broken units
+        under the cause policy, units risky step after step under the paper's): the run was not protected there."""
+        assert self.summary is not None
+        left = self.summary.left_out(persistent=True)
+        if not left:
+            return
+        trace = os.path.join(args.output_dir, self.config.trace_file) if self.config.trace_file else "<trace>"
+        logger.warning(
+            "GNMR: the budget was full: %d units asked for recovery and were left out at least half of the steps "
+            "from the first time on: %s. max_active=%d would have held every unit that asked (it is %d). `gnmr-hf "
+            "advise %s` turns the run into a static carve-out of the units it needed.",
+            len(left),
+            ", ".join(f"{n} ({c} steps)" for n, c in left[:10])
+            + (f" and {len(left) - 10} more" if len(left) > 10 else ""),
+            self.summary.max_candidates_seen,
+            self.config.max_active,
+            trace,
+        )
+
     def _warn_unscored(self, decision: HostDecision) -> None:
         missing = decision.no_history
         if missing is None or not len(missing):
@@ -511,11 +533,6 @@ def _exported_attributes(stateful: Any) -> dict[str, Any] | None:
     if isinstance(entry, list):  # the Trainer stores a list when several callbacks share a class
         entry = entry[0] if entry else None
     return entry.get("attributes") if isinstance(entry, Mapping) else None
-
-
-def _kind(unit: RecoverableUnit) -> str:
-    """A unit's kind, for peer groups and messages: the backend's `kind` where it has several, else its class."""
-    return str(getattr(unit, "kind", type(unit).__name__))
 
 
 def _unit_kinds(units: list[RecoverableUnit]) -> dict[str, dict[str, int]]:

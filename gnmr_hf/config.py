@@ -2,8 +2,9 @@
 `HfArgumentParser` can read (also beside `TrainingArguments`).
 
 Fields are named in words for the paper's symbols; the one table of symbols and fields, with the decisions the
-paper leaves open, is in docs/method.md. A leaf: the backend is a name and its options are kept raw (text is read
-into a dict); the backend validates both when the units are built, so making a config imports and registers nothing.
+paper leaves open, is in docs/method.md. A leaf: the backend and the policy are names and their options are kept raw
+(text is read into a dict); each validates its own when the callback is built, so making a config imports and
+registers nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from .options import parse_options_text
 __all__ = ["GNMRConfig"]
 
 _SCHEDULES = ("constant", "linear", "cosine")
-_POLICIES = ("paper", "cause")
 
 
 @dataclass
@@ -81,10 +81,17 @@ class GNMRConfig:
     policy: str = field(
         default="paper",
         metadata={
-            "help": "'paper': the paper's selection, bit for bit. 'cause': also measure what each unit's cheap path "
-            "loses (its fidelity), recover the unit that causes a symptom, units broken from the start, hold them "
-            "while their cheap path stays lossy (docs/method.md, 'The cause policy').",
-            "choices": _POLICIES,
+            "help": "Which policy chooses the recovery set: 'paper' (default): the paper's selection, bit for bit. "
+            "'cause': also measure what each unit's cheap path loses (its fidelity), recover the unit that causes a "
+            "symptom, units broken from the start, hold them while their cheap path stays lossy (docs/method.md, "
+            "'The cause policy'). Or a name given to gnmr_hf.register_policy. Checked when the callback is built."
+        },
+    )
+    policy_options: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "The policy's own options, as a JSON object or 'key=value,key=value' text (a dict in Python); "
+            "the built-in policies take none (theirs are the fields here). Validated by the policy."
         },
     )
     cause_suspect: float = field(
@@ -168,7 +175,9 @@ class GNMRConfig:
         self._check_threshold("alpha")
         self._check_threshold("beta")
         self._check_choice("threshold_schedule", _SCHEDULES)
-        self._check_choice("policy", _POLICIES)
+        if not isinstance(self.policy, str) or not self.policy:
+            raise TypeError(f"GNMRConfig.policy must be a policy's name (a non-empty str), got {self.policy!r}")
+        self.policy_options = parse_options_text(self.policy_options, what="GNMRConfig.policy_options")
         self._check_threshold("cause_suspect")
         if self.cause_suspect > 1:
             raise ValueError(f"GNMRConfig.cause_suspect must be in (0, 1], got {self.cause_suspect}")

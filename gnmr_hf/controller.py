@@ -6,38 +6,33 @@ knows nothing about INT8, bits or transformers. It is pure torch, so it runs on 
 vectorized: a step is a fixed number of tensor ops whatever N is, with no Python loop over units and no
 device-to-host transfer. The one transfer a caller needs to act on a decision is `Decision.to_host()`.
 
-`observe()` is written as the method itself, line by line against docs/method.md (formulas, policy, the
-paper-symbol table and every decision the paper leaves open, with its reason and its test). It is plain on
-purpose: at the N users have (hundreds of module-level units, up to ~10^5 block-level ones on a GPU) the
-straightforward vectorized step is as fast as hand-tuned variants (docs/performance.md has the numbers).
+`observe()` is written as the method itself, line by line against docs/method.md (formulas, the paper-symbol table
+and every decision the paper leaves open, with its reason and its test): it scores the units and hands the `Scores`
+to its policy (`gnmr_hf.policy`: the paper's by default, `GNMRConfig.policy`), which chooses the recovery set. The
+controller keeps the history, the step and the state; it names no policy. It is plain on purpose: at the N users
+have (hundreds of module-level units, up to ~10^5 block-level ones on a GPU) the straightforward vectorized step is
+as fast as hand-tuned variants (docs/performance.md has the numbers).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from .cause import REASONS, UnitRelations, cause_step
 from .config import GNMRConfig
+from .policy import Choice, Policy, Scores, load_tensor, make_policy, top_indices
 
-__all__ = ["Decision", "GNMRController", "HostDecision", "Selection"]
+__all__ = ["Decision", "GNMRController", "HostDecision"]
 
+# The state's format: the controller's history (below) and its policy's own tensors, side by side in one flat dict.
 _STATE_VERSION = 3
-_TENSOR_STATE = ("norm_sum", "norm_count", "gnmr_window", "locks")
-# Kept only with `relapse_lock` (an older state without them loads as "no relapse seen yet").
-_RELAPSE_STATE = ("lock_length", "exited_at")
-# policy="cause": each unit's last fidelity measure and its step, which stands for a unit in recovery between its
-# measures.
-_CAUSE_STATE = ("held_fidelity", "held_at")
-_NEVER = -(2**62)  # `exited_at` of a unit that never left recovery: no step is within lock_steps of it
+_HISTORY = ("norm_sum", "norm_count", "gnmr_window")
 
 
 @dataclass(frozen=True)
@@ -58,9 +53,11 @@ class HostDecision:
     beta: float
     no_history: np.ndarray | None = None  # units that cannot be scored yet; fetched with to_host(history=True)
     flag: bool | None = None  # the caller's flag, fetched with to_host(flag=...)
-    # policy="cause": {"why": [[unit, reason, source unit or -1], ...] for the active units, "severity": [[unit,
-    # fidelity], ...] for the `top_k` lossiest measured units, lossiest first}; None under the paper's policy.
-    cause: dict[str, list[list[Any]]] | None = None
+    # What the policy reports beyond the recovery set, JSON-safe, written into the trace line as it is (the cause
+    # policy: {"cause": {"why": ..., "severity": ...}}, `gnmr_hf.policies.cause.CausePolicy.host_extras`).
+    extras: dict[str, Any] = field(default_factory=dict)
+    # Candidates not in `active`: units that asked for recovery and that the budget (`max_active`) left out.
+    left_out: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def exceedance_rate(self) -> float:
@@ -72,39 +69,44 @@ class HostDecision:
 class Decision:
     """One step's decision, as tensors on the controller's device (no host sync was needed to make it).
 
-    Masks are bool [N]. `gnmr` and `dgnmr` are float64 [N], NaN where a unit has no such score this step;
-    `risk` is max(GNMR/alpha, DGNMR/beta), 0 for unscored units and +inf for broken norms (which are risky
-    but have no score). `scored` marks the units with a GNMR score this step; `has_history` those whose history
-    allows a score from the next step on (`min_history` valid norms with a positive mean). `active` is the set
-    that runs in recovery from step `step + 1` on; `locks` (int32 [N]) is each unit's lock after this step. The
-    tensors are never modified afterwards, so a `Decision` stays valid after later steps.
+    `scores` are the step's `Scores` (also read as `gnmr`, `dgnmr`, `risk`, `scored`, `risky`, `alpha`, `beta`:
+    float64 [N] scores, NaN where a unit has no such score; risk 0 for unscored units and +inf for broken norms).
+    Masks are bool [N]: `candidates` asked for recovery, `active` runs in recovery from step `step + 1` on,
+    `entered`/`exited` changed; `locks` (int32 [N]) each unit's lock after this step (0 for a policy without
+    locks); `has_history` the units whose history allows a score from the next step on (`min_history` valid norms
+    with a positive mean); `extras` what the policy reports per unit (the cause policy: `severity`, `reason`,
+    `source`). The tensors are never modified afterwards, so a `Decision` stays valid after later steps.
     """
 
-    step: int
-    alpha: float
-    beta: float
-    gnmr: torch.Tensor
-    dgnmr: torch.Tensor
-    risk: torch.Tensor
-    scored: torch.Tensor
-    risky: torch.Tensor
+    scores: Scores
     candidates: torch.Tensor
     active: torch.Tensor
     entered: torch.Tensor
     exited: torch.Tensor
     locks: torch.Tensor
     has_history: torch.Tensor
-    # policy="cause" only: per-unit fidelity (float64, NaN where unmeasured), reason codes (int8, `cause.REASONS`)
-    # and, for a unit blamed for a symptom, the symptomatic unit (int64, else -1).
-    severity: torch.Tensor | None = None
-    reason: torch.Tensor | None = None
-    source: torch.Tensor | None = None
+    policy: Policy = field(repr=False, compare=False)
+    choice: Choice = field(repr=False, compare=False)
+
+    step = property(lambda self: self.scores.t)
+    alpha = property(lambda self: self.scores.alpha)
+    beta = property(lambda self: self.scores.beta)
+    gnmr = property(lambda self: self.scores.gnmr)
+    dgnmr = property(lambda self: self.scores.dgnmr)
+    risk = property(lambda self: self.scores.risk)
+    scored = property(lambda self: self.scores.scored)
+    risky = property(lambda self: self.scores.risky)
+
+    @property
+    def extras(self) -> dict[str, torch.Tensor]:
+        return dict(self.choice.extras)
 
     def to_host(self, top_k: int = 0, history: bool = False, flag: torch.Tensor | None = None) -> HostDecision:
         """Copy what the caller acts on to the host in ONE transfer (one sync per optimizer step).
 
         Args:
-            top_k: also fetch the `top_k` riskiest scored units (largest risk first, ties to the lower index).
+            top_k: also fetch the `top_k` riskiest scored units (largest risk first, ties to the lower index), and
+                as many of what the policy ranks (the cause policy: its lossiest units).
             history: also fetch which units cannot be scored yet (`HostDecision.no_history`), e.g. to warn once
                 after warm-up about units that never get a gradient.
             flag: a bool scalar tensor of the caller's to bring along in the same transfer (`HostDecision.flag`),
@@ -125,45 +127,30 @@ class Decision:
             top_idx.to(torch.float64),  # exact: indices are far below 2^53
             (flag if flag is not None else torch.zeros((), device=key.device)).to(torch.float64).reshape(1),
         ]
-        if self.severity is not None:
-            # The cause policy's evidence rides in the same transfer: every unit's reason and source (the active
-            # ones are read from them) and the k lossiest measured units.
-            assert self.reason is not None and self.source is not None
-            lossy = torch.where(self.severity.isnan(), -1.0, self.severity.nan_to_num(posinf=1e300))
-            lossy_idx = top_indices(lossy, k)
-            parts += [
-                self.reason.to(torch.float64),
-                self.source.to(torch.float64),
-                lossy[lossy_idx],
-                lossy_idx.to(torch.float64),
-            ]
-        head = torch.cat(parts)
-        rows = [self.active, self.entered, self.exited, self.risky] + ([~self.has_history] if history else [])
+        # What the policy reports rides in the same transfer.
+        extra = self.policy.host_parts(self.choice, k)
+        head = torch.cat(parts + extra)
+        left_out = self.candidates & ~self.active
+        rows = [self.active, self.entered, self.exited, self.risky, left_out] + (
+            [~self.has_history] if history else []
+        )
         masks = torch.stack(rows)
-        # One byte buffer (the float64 head's bytes, then the four masks) so that a single `.cpu()` moves it;
-        # separate `.item()` or `.cpu()` calls would each stall the device.
+        # One byte buffer (the float64 head's bytes, then the masks) so that a single `.cpu()` moves it; separate
+        # `.item()` or `.cpu()` calls would each stall the device.
         packed = torch.cat([head.view(torch.uint8), masks.view(-1).view(torch.uint8)]).cpu().numpy()
         head_h = packed[: head.numel() * 8].view(np.float64)
-        active, entered, exited, risky, *no_history = (
+        active, entered, exited, risky, left_out, *no_history = (
             np.flatnonzero(m) for m in packed[head.numel() * 8 :].reshape(len(rows), n)
         )
         top_risks = head_h[3 : 3 + k]
         keep = top_risks >= 0  # fewer than k units are scored
-        cause = None
-        if self.severity is not None:
-            at = 4 + 2 * k
-            reason, source = head_h[at : at + n], head_h[at + n : at + 2 * n]
-            sev, sev_idx = head_h[at + 2 * n : at + 2 * n + k], head_h[at + 2 * n + k : at + 2 * n + 2 * k]
-            cause = {
-                "why": [[int(i), REASONS[int(reason[i])], int(source[i])] for i in active],
-                "severity": [[int(i), float(v)] for i, v in zip(sev_idx, sev, strict=True) if v >= 0],
-            }
         return HostDecision(
             step=self.step,
             active=active,
             entered=entered,
             exited=exited,
             risky=risky,
+            left_out=left_out,
             n_scored=int(head_h[1]),
             n_candidates=int(head_h[2]),
             max_risk=float(head_h[0]) if head_h[0] >= 0 else math.nan,
@@ -173,51 +160,27 @@ class Decision:
             beta=self.beta,
             no_history=no_history[0] if history else None,
             flag=bool(head_h[3 + 2 * k]) if flag is not None else None,
-            cause=cause,
+            extras=self.policy.host_extras(head_h[4 + 2 * k :], active, k) if extra else {},
         )
 
 
-class Selection(ABC):
-    """Chooses the recovery set in place of the paper's policy: the pluggable part of the controller.
-
-    The controller still scores every unit as GNMR does (so a trace has GNMR's risks whatever chose the set) and
-    hands `select` the step's `Decision`; the set it returns is the one applied, within no budget but its own.
-    Baselines (`gnmr_hf.experiments.baselines`) are selections. A selection keeps no checkpointed state: a run
-    with one does not resume.
-    """
-
-    name = "selection"
-
-    def bind(self, names: Sequence[str], device: torch.device) -> None:
-        """Called once, before the first step, with the units' names (in controller order) and the device."""
-        self.names = list(names)
-        self.num_units = len(self.names)
-        self.device = device
-
-    def initial(self) -> torch.Tensor:
-        """The set that runs at step 1 (bool [N]); by default none."""
-        return torch.zeros(self.num_units, dtype=torch.bool, device=self.device)
-
-    @abstractmethod
-    def select(self, decision: Decision, norms: torch.Tensor, missing: torch.Tensor | None) -> torch.Tensor:
-        """The set for step `decision.step + 1` (bool [N] on the controller's device)."""
-
-
 class GNMRController:
-    """Scores N units from their gradient norms and picks which run in recovery, under a hard budget.
+    """Scores N units from their gradient norms and has its policy pick which run in recovery, under a hard budget.
 
     Args:
-        config: the policy (`max_active`, `lock_steps`, `window`, `alpha`, `beta`, `min_history`, schedule).
+        config: the scores' settings (`window`, `alpha`, `beta`, `min_history`, schedule) and the policy's
+            (`policy`, `policy_options`, `max_active`, `lock_steps`, ...).
         num_units: N, fixed for the controller's life (a changed N is an error, not a silent reset).
         device: where the state lives; `observe()` takes norms on this device.
-        selection: chooses the recovery set instead of the paper's policy (bound to the units by the caller);
-            None for the paper's.
-        relations: with `policy="cause"`, how the units are related (`UnitRelations.from_names`); default: none.
+        policy: the `Policy` that chooses the recovery set; default: `config.policy` with `config.policy_options`.
+        names, kinds: the units' names and kinds in controller order, for a policy that relates units (the cause
+            policy's families and peers); default: unrelated units "0", "1", ...
 
     State (`state_dict()`): `norm_sum`, `norm_count` (float64: the history of valid norms), `gnmr_window`
-    (float64 [window, N]: the GNMR of the last `window` steps, NaN where a step had no score) and `locks`
-    (int32); with `relapse_lock` or `policy="cause"` also `lock_length` and `exited_at`. `active` is derived: a unit
-    is in recovery exactly while its lock is > 0.
+    (float64 [window, N]: the GNMR of the last `window` steps, NaN where a step had no score), and the policy's own
+    (the paper's: `locks`, int32, and with `relapse_lock` also `lock_length` and `exited_at`; the cause policy's
+    also `held_fidelity` and `held_at`). `active` is the policy's: for the paper's a unit is in recovery exactly
+    while its lock is > 0.
     """
 
     def __init__(
@@ -225,13 +188,22 @@ class GNMRController:
         config: GNMRConfig,
         num_units: int,
         device: torch.device | str = "cpu",
-        selection: Selection | None = None,
-        relations: UnitRelations | None = None,
+        policy: Policy | None = None,
+        names: Sequence[str] | None = None,
+        kinds: Sequence[str] | None = None,
     ) -> None:
         if not isinstance(config, GNMRConfig):
             raise TypeError(f"GNMRController: config must be a GNMRConfig, got {type(config).__name__}")
         if isinstance(num_units, bool) or not isinstance(num_units, int) or num_units < 1:
             raise ValueError(f"GNMRController: num_units must be an int >= 1, got {num_units!r}")
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"GNMRController: policy must be a gnmr_hf.Policy, got {type(policy).__name__}")
+        names = [str(i) for i in range(num_units)] if names is None else list(names)
+        kinds = [""] * num_units if kinds is None else list(kinds)
+        if len(names) != num_units or len(kinds) != num_units:
+            raise ValueError(
+                f"GNMRController: names and kinds describe {len(names)} and {len(kinds)} units, expected {num_units}"
+            )
         self.config = config
         self.num_units = num_units
         self.device = torch.device(device)
@@ -241,31 +213,14 @@ class GNMRController:
         # float64 counts are exact up to 2^53 and keep the mean a float64 op.
         self.norm_count = torch.zeros(num_units, **f64)
         self.gnmr_window = torch.full((config.window, num_units), torch.nan, **f64)
-        self.locks = torch.zeros(num_units, dtype=torch.int32, device=self.device)
-        self.selection = selection
-        self.active = self.locks > 0 if selection is None else selection.initial().to(self.device)
+        self.policy = policy if policy is not None else make_policy(config)
+        self.policy.bind(names, kinds, self.device)
         self._before_last: tuple[Any, ...] | None = None  # what `revert()` restores
-        self.cause = config.policy == "cause" and selection is None
-        if self.cause:
-            relations = relations if relations is not None else UnitRelations.independent(num_units)
-            if len(relations.families) != num_units:
-                raise ValueError(
-                    f"GNMRController: relations describe {len(relations.families)} units, expected {num_units}"
-                )
-            self.relations = relations
-            self._relations = relations.device_tensors(self.device)
-            self.held_fidelity = torch.full((num_units,), torch.nan, **f64)
-            self.held_at = torch.full((num_units,), _NEVER, dtype=torch.int64, device=self.device)
-            self._held_before: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self._keeps_lock_lengths:
-            # Relapse-aware lock (docs/method.md): each unit's current full lock, and the step it last left recovery.
-            self.lock_length = torch.full((num_units,), config.lock_steps, dtype=torch.int32, device=self.device)
-            self.exited_at = torch.full((num_units,), _NEVER, dtype=torch.int64, device=self.device)
-            self._relapse_before: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
-    def _keeps_lock_lengths(self) -> bool:
-        return self.config.relapse_lock or self.config.policy == "cause"
+    def active(self) -> torch.Tensor:
+        """The units in recovery now (bool [N]): the policy's."""
+        return self.policy.active
 
     def _check_norms(self, norms: Any, missing: Any) -> None:
         if not isinstance(norms, torch.Tensor):
@@ -333,149 +288,27 @@ class GNMRController:
         # History: valid norms only, added after scoring since the mean is over the *past* norms. New tensors
         # (and the one overwritten window row kept), so that `revert()` can put the previous state back.
         pos = (t - 1) % cfg.window
-        before = (self.step, self.norm_sum, self.norm_count, self.gnmr_window[pos].clone(), self.locks, self.active)
-        self._before_last = before
+        self._before_last = (self.step, self.norm_sum, self.norm_count, self.gnmr_window[pos].clone())
         self.norm_sum = self.norm_sum + torch.where(valid, n, 0.0)
         self.norm_count = self.norm_count + valid
         self.gnmr_window[pos] = gnmr
 
-        if self.cause:
-            return self._observe_cause(t, alpha, beta, gnmr, dgnmr, risk, scored, risky, broken, fidelity)
-
-        # Locks count down; candidates are risky or still locked; the `max_active` riskiest candidates win, ties
-        # to the lower index (a stable sort); non-candidates rank below every candidate (risks are >= 0).
-        countdown = (self.locks - 1).clamp_min(0)
-        candidates = risky | (countdown > 0)
-        top = top_indices(torch.where(candidates, risk, -1.0), cfg.max_active)
-        selected = torch.zeros_like(candidates).index_fill_(0, top, True) & candidates
-        # Selected risky units get a full lock, selected stable ones keep counting down, the rest (released, or
-        # preempted when the budget is full) drop to 0 and leave recovery.
-        full_lock = self._relapse_lock(t, selected & risky & ~self.active) if cfg.relapse_lock else cfg.lock_steps
-        locks = torch.where(selected, torch.where(risky, full_lock, countdown), 0).to(torch.int32)
-        if cfg.relapse_lock:
-            self.exited_at = torch.where(self.active & ~selected, t, self.exited_at)
-
-        previous = self.active
-        self.locks, self.active, self.step = locks, selected, t
-        decision = self._decision(alpha, beta, gnmr, dgnmr, risk, scored, risky, candidates, previous)
-        if self.selection is None:
-            return decision
-        # GNMR's scores and risky set stay; the selection's set is the one applied (its own "candidates").
-        active = self.selection.select(decision, norms, missing).to(self.device)
-        self.active = active
-        return dataclasses.replace(
-            decision, active=active, entered=active & ~previous, exited=previous & ~active, candidates=active
-        )
-
-    def _observe_cause(
-        self,
-        t: int,
-        alpha: float,
-        beta: float,
-        gnmr: torch.Tensor,
-        dgnmr: torch.Tensor,
-        risk: torch.Tensor,
-        scored: torch.Tensor,
-        risky: torch.Tensor,
-        broken: torch.Tensor,
-        fidelity: torch.Tensor | None,
-    ) -> Decision:
-        """The rest of `observe` under `policy="cause"` (`gnmr_hf.cause.cause_step`): GNMR's scores are the
-        symptoms; the fidelity says where the cause is and how long to hold it."""
-        cfg = self.config
-        self._relapse_before = (self.lock_length, self.exited_at)
-        # A unit in recovery measures only every `cause_recovery_every` steps (`RecoverableUnit.measuring`): between
-        # its measures its last one stands, so that it is held, ranked and released on what it measured.
-        fresh = torch.full_like(self.held_fidelity, torch.nan) if fidelity is None else fidelity.to(torch.float64)
-        measured = ~fresh.isnan()
-        # Only a measure from within the unit's measuring period stands: a unit in recovery that stops measuring
-        # (no forward: an unused expert) is not held forever on an old loss.
-        stands = self.active & ~measured & (t - self.held_at < cfg.recovery_every)
-        self._held_before = (self.held_fidelity, self.held_at)
-        fidelity = torch.where(stands, self.held_fidelity, fresh)
-        self.held_fidelity = torch.where(measured, fresh, self.held_fidelity)
-        self.held_at = torch.where(measured, t, self.held_at)
-        out = cause_step(
-            t=t,
-            fidelity=fidelity,
-            risky=risky,
-            risk=risk,
-            broken_norm=broken,
-            active=self.active,
-            locks=self.locks,
-            lock_length=self.lock_length,
-            exited_at=self.exited_at,
-            relations=self._relations,
-            max_active=cfg.max_active,
-            lock_steps=cfg.lock_steps,
-            lock_cap=cfg.relapse_lock_cap,
-            suspect=cfg.cause_suspect,
-            peer_factor=cfg.cause_peer_factor,
-            top_indices=top_indices,
-        )
-        previous, selected = self.active, out["active"]
-        self.locks, self.active, self.step = out["locks"], selected, t
-        self.lock_length, self.exited_at = out["lock_length"], out["exited_at"]
-        return self._decision(
-            alpha,
-            beta,
-            gnmr,
-            dgnmr,
-            risk,
-            scored,
-            risky,
-            selected,
-            previous,
-            severity=out["severity"],
-            reason=out["reason"],
-            source=out["source"],
-        )
-
-    def _decision(
-        self,
-        alpha: float,
-        beta: float,
-        gnmr: torch.Tensor,
-        dgnmr: torch.Tensor,
-        risk: torch.Tensor,
-        scored: torch.Tensor,
-        risky: torch.Tensor,
-        candidates: torch.Tensor,
-        previous: torch.Tensor,
-        **cause: torch.Tensor,
-    ) -> Decision:
-        """The step's `Decision`, once `self.step`, `self.active` and `self.locks` hold the new state."""
-        active = self.active
+        scores = Scores(t, alpha, beta, n, missing, gnmr, dgnmr, risk, scored, risky, broken, fidelity)
+        previous = self.policy.active
+        choice = self.policy.step(scores)
+        self.step = t
+        active = choice.active
         return Decision(
-            step=self.step,
-            alpha=alpha,
-            beta=beta,
-            gnmr=gnmr,
-            dgnmr=dgnmr,
-            risk=risk,
-            scored=scored,
-            risky=risky,
-            candidates=candidates,
+            scores=scores,
+            candidates=choice.candidates,
             active=active,
             entered=active & ~previous,
             exited=previous & ~active,
-            locks=self.locks,
-            has_history=(self.norm_count >= self.config.min_history) & (self.norm_sum > 0),
-            **cause,
+            locks=choice.locks if choice.locks is not None else torch.zeros_like(active, dtype=torch.int32),
+            has_history=(self.norm_count >= cfg.min_history) & (self.norm_sum > 0),
+            policy=self.policy,
+            choice=choice,
         )
-
-    def _relapse_lock(self, t: int, entering: torch.Tensor) -> torch.Tensor:
-        """The full lock of each unit at step t under the relapse-aware lock: a unit entering recovery within
-        `lock_steps` steps of its last exit (a relapse) gets double its previous lock, capped at `relapse_lock_cap`;
-        any other entering unit starts again from `lock_steps`; a unit already in recovery keeps its length."""
-        cfg = self.config
-        self._relapse_before = (self.lock_length, self.exited_at)
-        relapse = entering & (t - self.exited_at <= cfg.lock_steps)
-        doubled = (self.lock_length * 2).clamp_max(cfg.relapse_lock_cap)
-        self.lock_length = torch.where(relapse, doubled, torch.where(entering, cfg.lock_steps, self.lock_length)).to(
-            torch.int32
-        )
-        return self.lock_length
 
     def revert(self) -> None:
         """Undo the last `observe()`: the state is exactly as before it, as if that step had never been seen.
@@ -486,42 +319,38 @@ class GNMRController:
         """
         if self._before_last is None:
             raise RuntimeError("GNMRController.revert: there is no observed step to revert (only the last one can be)")
-        step, norm_sum, norm_count, row, locks, active = self._before_last
+        step, norm_sum, norm_count, row = self._before_last
         self.gnmr_window[step % self.config.window] = row
-        self.step, self.norm_sum, self.norm_count, self.locks, self.active = step, norm_sum, norm_count, locks, active
+        self.step, self.norm_sum, self.norm_count = step, norm_sum, norm_count
         self._before_last = None
-        if self._keeps_lock_lengths and self._relapse_before is not None:
-            self.lock_length, self.exited_at = self._relapse_before
-            self._relapse_before = None
-        if self.cause and self._held_before is not None:
-            (self.held_fidelity, self.held_at), self._held_before = self._held_before, None
+        self.policy.revert()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue the decision stream exactly (tensors are cloned to CPU)."""
+        """Everything needed to continue the decision stream exactly (tensors are cloned to CPU): the history and
+        the policy's state, in one flat dict."""
         state: dict[str, Any] = {
             "version": _STATE_VERSION,
             "num_units": self.num_units,
             "window": self.config.window,
             "step": self.step,
         }
-        for name in self._state_names():
-            state[name] = getattr(self, name).detach().cpu().clone()
+        tensors = {name: getattr(self, name) for name in _HISTORY} | self.policy.state_dict()
+        for name, value in tensors.items():
+            state[name] = value.detach().cpu().clone()
         return state
-
-    def _state_names(self) -> tuple[str, ...]:
-        return (
-            _TENSOR_STATE + (_RELAPSE_STATE if self._keeps_lock_lengths else ()) + (_CAUSE_STATE if self.cause else ())
-        )
 
     def json_state(self) -> dict[str, Any]:
         """`state_dict()` with plain lists: JSON-safe and exact (float64 round-trips through repr).
 
-        The NaNs of `gnmr_window` (steps without a score) become `null`, since NaN is not JSON.
+        NaNs (`gnmr_window`'s steps without a score, the cause policy's units never measured) become `null`, since
+        NaN is not JSON.
         """
         state = self.state_dict()
-        for name in self._state_names():
-            array = state[name].numpy()
+        for name, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            array = value.numpy()
             if array.dtype == np.float64:
                 boxed = array.astype(object)
                 boxed[np.isnan(array)] = None
@@ -537,7 +366,7 @@ class GNMRController:
         if not isinstance(state, dict):
             raise TypeError(f"GNMRController.load_state_dict: state must be a dict, got {type(state).__name__}")
         version = state.get("version")
-        missing = [k for k in ("version", "num_units", "window", "step", *_TENSOR_STATE) if k not in state]
+        missing = [k for k in ("version", "num_units", "window", "step", *_HISTORY) if k not in state]
         if missing:
             raise KeyError(f"GNMRController.load_state_dict: state is missing {missing}")
         if version != _STATE_VERSION:
@@ -558,111 +387,10 @@ class GNMRController:
         step = state["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"GNMRController.load_state_dict: step must be an int >= 0, got {step!r}")
-        loaded = {}
-        for key in _TENSOR_STATE:
-            dtype = getattr(self, key).dtype
-            value = state[key]
-            if not isinstance(value, torch.Tensor):
-                # JSON form: nested lists, with null for NaN (numpy reads None as NaN in a float array).
-                try:
-                    value = torch.from_numpy(np.array(value, dtype=np.float64 if dtype == torch.float64 else None))
-                except (TypeError, ValueError) as err:
-                    raise ValueError(f"GNMRController.load_state_dict: {key} is not a numeric array: {err}") from None
-            if key == "locks":
-                # A state saved with a longer lock_steps is cut to this config's; a negative lock is corrupt.
-                value = value.to(torch.int64)
-                if (value < 0).any():
-                    raise ValueError("GNMRController.load_state_dict: locks must be >= 0")
-                value = value.clamp(max=self._longest_lock())
-            value = value.to(device=self.device, dtype=dtype)
-            expected = getattr(self, key).shape
-            if value.shape != expected:
-                raise ValueError(
-                    f"GNMRController.load_state_dict: {key} has shape {tuple(value.shape)}, expected {tuple(expected)}"
-                )
-            loaded[key] = value.clone()
-        if self._keeps_lock_lengths:
-            loaded.update(self._load_relapse_state(state))
-        if self.cause:
-            loaded.update(self._load_held(state))
+        loaded = {name: load_tensor(state, name, getattr(self, name)) for name in _HISTORY}
+        # The policy checks and takes its own part; nothing changes unless every part loads.
+        self.policy.load_state_dict(state)
         for name, value in loaded.items():
             setattr(self, name, value)
         self.step = step
-        self.active = self.locks > 0
         self._before_last = None
-
-    def _longest_lock(self) -> int:
-        return self.config.relapse_lock_cap if self._keeps_lock_lengths else self.config.lock_steps
-
-    def _load_held(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The cause policy's last fidelity measures and their steps from `state` (JSON null: NaN), or none held
-        when it was saved without them (by another policy, or before they were kept)."""
-        if not all(name in state for name in _CAUSE_STATE):
-            return {
-                "held_fidelity": torch.full_like(self.held_fidelity, torch.nan),
-                "held_at": torch.full_like(self.held_at, _NEVER),
-            }
-        loaded = {}
-        for name, dtype in (("held_fidelity", np.float64), ("held_at", np.int64)):
-            value = state[name]
-            if not isinstance(value, torch.Tensor):
-                try:
-                    value = torch.from_numpy(np.array(value, dtype=dtype))
-                except (TypeError, ValueError) as err:
-                    raise ValueError(f"GNMRController.load_state_dict: {name} is not a numeric array: {err}") from None
-            if value.shape != (self.num_units,):
-                raise ValueError(
-                    f"GNMRController.load_state_dict: {name} has shape {tuple(value.shape)}, "
-                    f"expected ({self.num_units},)"
-                )
-            loaded[name] = value.to(device=self.device, dtype=getattr(self, name).dtype).clone()
-        return loaded
-
-    def _load_relapse_state(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The relapse-aware lock's tensors from `state`, or fresh ones when it was saved without the option."""
-        if not all(name in state for name in _RELAPSE_STATE):
-            return {
-                "lock_length": torch.full_like(self.lock_length, self.config.lock_steps),
-                "exited_at": torch.full_like(self.exited_at, _NEVER),
-            }
-        lengths = torch.as_tensor(state["lock_length"], dtype=torch.int64)
-        exited = torch.as_tensor(state["exited_at"], dtype=torch.int64)
-        for name, value in (("lock_length", lengths), ("exited_at", exited)):
-            if value.shape != (self.num_units,):
-                raise ValueError(
-                    f"GNMRController.load_state_dict: {name} has shape {tuple(value.shape)}, "
-                    f"expected ({self.num_units},)"
-                )
-        lengths = lengths.clamp(self.config.lock_steps, self.config.relapse_lock_cap)
-        return {
-            "lock_length": lengths.to(device=self.device, dtype=torch.int32),
-            "exited_at": exited.to(self.device),
-        }
-
-
-# Above this many units, `top_indices` finds the k largest with `torch.topk` and a tie fix-up instead of a stable
-# sort of all N: 5x faster at N = 10^4 and 10x at 10^5 on the 2-core CPU of docs/performance.md, but 2x slower at
-# N <= 1,000 (more small ops), where the sort stays.
-_SORT_UP_TO = 4096
-
-
-def top_indices(key: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices of the `k` largest entries of the 1-D `key` (no NaN), largest first, ties to the lower index:
-    exactly `torch.argsort(key, descending=True, stable=True)[:k]`, and like it without a host sync."""
-    n = key.numel()
-    k = min(k, n)
-    if n <= _SORT_UP_TO or k == 0:
-        return torch.argsort(key, descending=True, stable=True)[:k]
-    # Every entry above the k-th largest value is in; of those equal to it, the lowest-index ones fill the rest.
-    kth = torch.topk(key, k, sorted=False).values.min()
-    above = key > kth
-    tied = key == kth
-    chosen = above | (tied & (tied.cumsum(0) <= k - above.sum()))
-    # The k chosen indices in ascending order: each goes to its place among the chosen (a running count), the
-    # others to a spare slot k that is dropped. Then largest key first by a stable sort of those k, which keeps
-    # the lower index first among equal keys.
-    place = torch.where(chosen, chosen.cumsum(0) - 1, k)
-    chosen_idx = torch.empty(k + 1, dtype=torch.int64, device=key.device)
-    chosen_idx.scatter_(0, place, torch.arange(n, device=key.device))
-    chosen_idx = chosen_idx[:k]
-    return chosen_idx[torch.argsort(key[chosen_idx], descending=True, stable=True)]

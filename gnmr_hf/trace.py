@@ -63,7 +63,8 @@ def decision_record(decision: HostDecision, step: int | None = None) -> dict[str
         ],
         "alpha": decision.alpha,
         "beta": decision.beta,
-    } | ({"cause": decision.cause} if decision.cause is not None else {})
+        "left_out": decision.left_out.tolist(),
+    } | decision.extras
 
 
 def _json_float(x: float) -> float | str:
@@ -208,7 +209,8 @@ def set_aside(path: str | os.PathLike[str]) -> Path | None:
 
 @dataclass
 class TraceSummary:
-    """Running totals over a decision stream: recovery fraction, flip rate, top units."""
+    """Running totals over a decision stream: recovery fraction, flip rate, top units, and the units the budget
+    left out (candidates of the policy that `max_active` kept off the recovery path)."""
 
     unit_names: list[str]
     steps: int = 0
@@ -218,35 +220,43 @@ class TraceSummary:
     over_budget_steps: int = 0
     max_active_seen: int = 0
     skipped_steps: int = 0
+    # The most units that asked for recovery at one step: the `max_active` that would have held them all.
+    max_candidates_seen: int = 0
     recovery_steps: np.ndarray = field(default=None)  # type: ignore[assignment]
     risky_steps: np.ndarray = field(default=None)  # type: ignore[assignment]
+    left_out_steps: np.ndarray = field(default=None)  # type: ignore[assignment]
+    first_left_out: np.ndarray = field(default=None)  # type: ignore[assignment]  # the step (1-based), 0: never
 
     def __post_init__(self) -> None:
         n = len(self.unit_names)
-        if self.recovery_steps is None:
-            self.recovery_steps = np.zeros(n, dtype=np.int64)
-        if self.risky_steps is None:
-            self.risky_steps = np.zeros(n, dtype=np.int64)
+        for name in ("recovery_steps", "risky_steps", "left_out_steps", "first_left_out"):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(n, dtype=np.int64))
 
-    def add(self, active: Any, entered: Any, exited: Any, risky: Any) -> None:
-        """Count one step; the arguments are index arrays (or lists) of units."""
+    def add(self, active: Any, entered: Any, exited: Any, risky: Any, left_out: Any = None) -> None:
+        """Count one step; the arguments are index arrays (or lists) of units. `left_out`: the candidates the budget
+        left out; None (a trace written before it was recorded): the risky units outside `active`."""
         active = np.asarray(active, dtype=np.int64)
         risky = np.asarray(risky, dtype=np.int64)
+        left = risky[~np.isin(risky, active)] if left_out is None else np.asarray(left_out, dtype=np.int64)
         self.steps += 1
         self.active_unit_steps += len(active)
         self.flips += len(entered) + len(exited)
         self.risky_unit_steps += len(risky)
-        if len(risky):  # a risky unit outside the active set was left out by the budget
-            self.over_budget_steps += int(not np.isin(risky, active).all())
+        self.over_budget_steps += int(len(left) > 0)
         self.max_active_seen = max(self.max_active_seen, len(active))
+        self.max_candidates_seen = max(self.max_candidates_seen, len(active) + len(left))
         self.recovery_steps[active] += 1
         self.risky_steps[risky] += 1
+        self.left_out_steps[left] += 1
+        self.first_left_out[left] = np.where(self.first_left_out[left] == 0, self.steps, self.first_left_out[left])
 
     def add_record(self, record: dict[str, Any]) -> None:
         if record.get("type") == "skip":
             self.skipped_steps += 1
         else:
-            self.add(record["active"], record["entered"], record["exited"], record["risky"])
+            # A trace written before "left_out" was recorded has none: its risky units outside `active` stand in.
+            self.add(record["active"], record["entered"], record["exited"], record["risky"], record.get("left_out"))
 
     @property
     def recovery_fraction(self) -> float:
@@ -264,6 +274,17 @@ class TraceSummary:
         rows = [(self.unit_names[i], int(self.recovery_steps[i]), int(self.risky_steps[i])) for i in order[:k]]
         return [row for row in rows if row[1] or row[2]]
 
+    def left_out(self, persistent: bool = False) -> list[tuple[str, int]]:
+        """(name, steps) of the units the budget left out, most steps first (ties by unit order); `persistent`:
+        only those left out at least half of the steps from the first time on (as `gnmr-hf advise` reads a unit
+        the run needed persistently), not a passing spike's."""
+        first = self.first_left_out
+        keep = self.left_out_steps > 0
+        if persistent:
+            keep &= 2 * self.left_out_steps >= self.steps - first + 1
+        order = np.lexsort((np.arange(len(self.unit_names)), -self.left_out_steps))
+        return [(self.unit_names[i], int(self.left_out_steps[i])) for i in order if keep[i]]
+
     def as_dict(self, k: int = 10) -> dict[str, Any]:
         return {
             "units": len(self.unit_names),
@@ -272,8 +293,10 @@ class TraceSummary:
             "flips": self.flips,
             "flips_per_1k_steps": self.flips_per_1k_steps,
             "risky_unit_steps": self.risky_unit_steps,
-            "steps_with_risky_units_left_out": self.over_budget_steps,
+            "steps_with_units_left_out": self.over_budget_steps,
             "max_active_seen": self.max_active_seen,
+            "max_candidates_seen": self.max_candidates_seen,
+            "units_left_out": [{"name": n, "steps": c} for n, c in self.left_out()],
             "skipped_steps": self.skipped_steps,
             "top_units": [{"name": n, "recovery_steps": r, "risky_steps": s} for n, r, s in self.top_units(k)],
         }
@@ -287,8 +310,17 @@ class TraceSummary:
             f"  unit-steps in recovery         {self.recovery_fraction:.4%}",
             f"  flips per 1,000 steps          {self.flips_per_1k_steps:.1f}",
             f"  most units in recovery at once {self.max_active_seen}",
-            f"  steps with risky units left out by the budget {self.over_budget_steps}",
+            f"  steps with units left out by the budget {self.over_budget_steps}",
         ]
+        left = self.left_out()
+        if left:
+            shown = ", ".join(f"{n} {c}" for n, c in left[:k]) + (
+                f" and {len(left) - k} more" if len(left) > k else ""
+            )
+            lines.append(
+                f"  units left out by the budget (steps): {shown}; max_active={self.max_candidates_seen} would "
+                "have held every unit that asked"
+            )
         if self.skipped_steps:
             lines.append(f"  steps skipped by the fp16 loss scaler (not observed) {self.skipped_steps}")
         top = self.top_units(k)
@@ -309,9 +341,12 @@ class TraceSummary:
             "risky_unit_steps": self.risky_unit_steps,
             "over_budget_steps": self.over_budget_steps,
             "max_active_seen": self.max_active_seen,
+            "max_candidates_seen": self.max_candidates_seen,
             "skipped_steps": self.skipped_steps,
             "recovery_steps": self.recovery_steps.tolist(),
             "risky_steps": self.risky_steps.tolist(),
+            "left_out_steps": self.left_out_steps.tolist(),
+            "first_left_out": self.first_left_out.tolist(),
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -327,6 +362,11 @@ class TraceSummary:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.recovery_steps = np.asarray(state["recovery_steps"], dtype=np.int64)
         self.risky_steps = np.asarray(state["risky_steps"], dtype=np.int64)
+        # A checkpoint written before the budget's left-outs were counted has none.
+        self.max_candidates_seen = int(state.get("max_candidates_seen", self.max_active_seen))
+        n = len(self.unit_names)
+        for name in ("left_out_steps", "first_left_out"):
+            setattr(self, name, np.asarray(state.get(name, [0] * n), dtype=np.int64))
 
     @classmethod
     def from_trace(cls, path: str | os.PathLike[str]) -> tuple[TraceSummary, dict[str, Any], list[dict[str, Any]]]:

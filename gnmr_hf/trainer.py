@@ -32,12 +32,11 @@ class GNMRTrainer(Trainer):
     ) -> None:
         # Built first: it checks the config's backend and options, so a mistake there is reported before the
         # Trainer prepares (moves, wraps) the model.
-        gnmr = GNMRCallback(gnmr_config, module_filter_fn=gnmr_module_filter_fn)
-        super().__init__(*args, **kwargs)
-        self.gnmr = gnmr
         # First in the list: Trainer.log() hands one dict to the callbacks in order, so the reporting
         # integrations after it see the GNMR metrics it adds.
-        self.gnmr._placed_first = True
+        gnmr = GNMRCallback(gnmr_config, module_filter_fn=gnmr_module_filter_fn, ahead_of_reporting=True)
+        super().__init__(*args, **kwargs)
+        self.gnmr = gnmr
         self.callback_handler.callbacks.insert(0, self.gnmr)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:

@@ -128,8 +128,8 @@ class RecoverableUnit:
     the recovery path, return the bytes it holds), `_exit()`, `_close()` and `recovery_bytes()` where they differ
     from "nothing to build". Validate in `__init__` *before* calling `super().__init__`, which installs hooks.
 
-    Attributes: `name`, `module`, `backend` (its name), `options`, `ledger`, `tuner` (the peft layer around the
-    module, or None), `signal` (the signal kind: "lora", "weight", "output_grad" or a backend's own),
+    Attributes: `name`, `module`, `backend` (its name), `kind`, `options`, `ledger`, `tuner` (the peft layer around
+    the module, or None), `signal` (the signal kind: "lora", "weight", "output_grad" or a backend's own),
     `output_grad` (the `OutputGradMeter` of an output-gradient signal, else None), `closed`.
     """
 
@@ -187,6 +187,13 @@ class RecoverableUnit:
     def recovery_bytes(self) -> int:
         """Extra bytes the recovery path holds while this unit is in recovery (an upper bound where it varies)."""
         return 0
+
+    @property
+    def kind(self) -> str:
+        """What kind of unit this is, for a policy that relates units (the cause policy compares a unit with the
+        same kind in other layers) and for messages: by default its class name; a backend with several kinds of
+        unit names each (act_quant: "linear", "attention", ...)."""
+        return type(self).__name__
 
     def precision(self) -> str:
         """What the two paths run in, "cheap/recovery" (e.g. "4/8" bits, "e2m1/e4m3"): for the trace header and

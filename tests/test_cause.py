@@ -16,7 +16,6 @@ from gnmr_hf import GNMRConfig, GNMRController, find_units
 from gnmr_hf.backends.act_quant import SaveSpec
 from gnmr_hf.backends.bnb import int8_input_loss
 from gnmr_hf.backends.torchao import float8_input_loss
-from gnmr_hf.cause import UnitRelations
 from gnmr_hf.cli import main as cli_main
 from gnmr_hf.experiments.faults import ScaleFault, inject_fault
 from gnmr_hf.experiments.pretrain import build_model, llama_config
@@ -34,6 +33,7 @@ from gnmr_hf.fidelity import (
     take_rows,
     unit_losses,
 )
+from gnmr_hf.policies.cause import UnitRelations
 from gnmr_hf.quant import absmax_rows, quantize_absmax
 from gnmr_hf.signals import UnitSignals
 
@@ -56,7 +56,7 @@ CAUSE = dict(max_active=2, lock_steps=3, window=2, min_history=2, alpha=2.0, bet
 
 def controller(names=NAMES, kinds=KINDS, **overrides) -> GNMRController:
     config = GNMRConfig(**{**CAUSE, **overrides})
-    return GNMRController(config, len(names), relations=UnitRelations.from_names(names, kinds))
+    return GNMRController(config, len(names), names=names, kinds=kinds)
 
 
 def step(ctl: GNMRController, norms, fidelity):
@@ -567,7 +567,7 @@ def test_a_symptom_is_attributed_to_the_related_unit_whose_cheap_path_loses_most
     # q_proj's gradient spikes (the symptom); the attention unit above it loses 0.7 of its bound (the cause).
     host = step(ctl, [1.0, 10.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [0.7, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2])
     assert active_names(host) == ["self_attn"]
-    assert host.cause["why"] == [[0, "cause", 1]]
+    assert host.extras["cause"]["why"] == [[0, "cause", 1]]
 
 
 def test_a_symptom_without_a_lossy_related_unit_is_noise_and_spends_nothing():
@@ -583,7 +583,7 @@ def test_a_unit_that_measures_nothing_keeps_the_papers_rule():
     for _ in range(3):
         step(ctl, [1.0] * 8, [math.nan] * 8)
     host = step(ctl, [1.0, 10.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], [math.nan] * 8)
-    assert list(host.active) == [1] and host.cause["why"] == [[1, "symptom", -1]]
+    assert list(host.active) == [1] and host.extras["cause"]["why"] == [[1, "symptom", -1]]
 
 
 def test_a_unit_broken_from_the_start_is_recovered_at_the_first_step_though_its_gnmr_never_rises():
@@ -591,7 +591,7 @@ def test_a_unit_broken_from_the_start_is_recovered_at_the_first_step_though_its_
     lossy = [0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2, 1.8]  # down_proj's cheap path is past its bound from step 1
     hosts = [step(ctl, [1.0] * 8, lossy) for _ in range(20)]
     assert all(active_names(h) == ["mlp.down_proj"] for h in hosts)
-    assert all(h.cause["why"] == [[7, "broken", -1]] for h in hosts)
+    assert all(h.extras["cause"]["why"] == [[7, "broken", -1]] for h in hosts)
     assert not any(len(h.risky) for h in hosts)
 
 
@@ -599,7 +599,7 @@ def test_a_unit_far_worse_than_its_peers_in_other_layers_is_broken():
     names = [f"model.layers.{i}.mlp.down_proj" for i in range(4)]
     ctl = controller(names, ["linear"] * 4)
     host = step(ctl, [1.0] * 4, [0.1, 0.12, 0.6, 0.11])  # under the bound, but 5x its peers' median
-    assert list(host.active) == [2] and host.cause["why"] == [[2, "peer", -1]]
+    assert list(host.active) == [2] and host.extras["cause"]["why"] == [[2, "peer", -1]]
 
 
 # Two projections in 4 layers (peers of 4) and the output head, alone of its kind.
@@ -612,7 +612,7 @@ def test_a_unit_without_peers_far_worse_than_all_units_is_broken_from_the_start(
     ctl = controller(HEAD_NAMES, ["linear"] * 9)
     lossy = [0.12, 0.15] * 4 + [0.65]
     hosts = [step(ctl, [1.0] * 9, lossy) for _ in range(10)]
-    assert all(list(h.active) == [8] and h.cause["why"][0][:2] == [8, "peer"] for h in hosts)
+    assert all(list(h.active) == [8] and h.extras["cause"]["why"][0][:2] == [8, "peer"] for h in hosts)
     assert not any(len(h.risky) for h in hosts)
 
 
@@ -657,8 +657,8 @@ def test_a_unit_in_recovery_is_held_and_released_on_its_last_measure_between_mea
     # step: the lock (3) counts down from the first healthy measure, 2 more steps in recovery, then out.
     assert in_recovery == [True] * 8 + [False] * 4
     # The last measure stands in the trace's severities and in the ranking, not a missing one.
-    assert hosts[1].cause["severity"][0] == [7, pytest.approx(1.8)]
-    assert hosts[1].cause["why"] == [[7, "broken", -1]]  # as when it measured 1.8 that step
+    assert hosts[1].extras["cause"]["severity"][0] == [7, pytest.approx(1.8)]
+    assert hosts[1].extras["cause"]["why"] == [[7, "broken", -1]]  # as when it measured 1.8 that step
 
 
 def test_a_unit_that_stops_measuring_is_not_held_on_its_last_measure_forever():
@@ -690,16 +690,16 @@ def test_held_measures_resume_and_revert_exactly():
     resumed.load_state_dict(json.loads(json.dumps(first.json_state())))
     assert head + [tuple(step(resumed, *row).active) for row in stream[10:]] == whole
     # revert() puts the held measures back with the rest of the step.
-    before = first.held_fidelity.clone()
+    before = first.policy.held_fidelity.clone()
     step(first, *stream[10])
     first.revert()
-    assert torch.equal(first.held_fidelity.nan_to_num(-1.0), before.nan_to_num(-1.0))
+    assert torch.equal(first.policy.held_fidelity.nan_to_num(-1.0), before.nan_to_num(-1.0))
     # A state saved without them (another policy, an older version) loads with none held.
     state = first.state_dict()
     del state["held_fidelity"], state["held_at"]
     again = controller()
     again.load_state_dict(state)
-    assert again.held_fidelity.isnan().all()
+    assert again.policy.held_fidelity.isnan().all()
 
 
 def test_a_unit_in_recovery_measures_one_step_in_recovery_every_at_its_own_phase():
@@ -754,7 +754,7 @@ def test_the_papers_policy_ignores_fidelity_and_keeps_every_decision():
     for norms in stream:
         a = plain.observe(torch.tensor(norms, dtype=torch.float64))
         b = fed.observe(torch.tensor(norms, dtype=torch.float64), None, torch.full((8,), 5.0))
-        assert torch.equal(a.active, b.active) and torch.equal(a.locks, b.locks) and b.severity is None
+        assert torch.equal(a.active, b.active) and torch.equal(a.locks, b.locks) and b.extras == {}
     assert "lock_length" not in plain.state_dict()
 
 
@@ -777,8 +777,8 @@ def test_a_cause_controller_resumes_with_the_decisions_of_an_uninterrupted_run()
 
 
 def test_cause_options_are_validated_with_errors_naming_the_field():
-    with pytest.raises(ValueError, match="policy"):
-        GNMRConfig(policy="oracle")
+    with pytest.raises(ValueError, match=r"GNMRConfig\.policy: unknown policy 'oracle'"):
+        GNMRController(GNMRConfig(policy="oracle"), 2)
     with pytest.raises(ValueError, match="cause_suspect"):
         GNMRConfig(policy="cause", cause_suspect=2.0)
     with pytest.raises(ValueError, match="cause_peer_factor"):

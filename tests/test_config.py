@@ -54,7 +54,8 @@ INVALID = [
     ({"relapse_lock": 1}, TypeError, "relapse_lock"),
     ({"relapse_lock_cap": 0}, ValueError, "relapse_lock_cap"),
     ({"relapse_lock": True, "lock_steps": 8, "relapse_lock_cap": 4}, ValueError, "relapse_lock_cap"),
-    ({"policy": "oracle"}, ValueError, "policy"),
+    ({"policy": ""}, TypeError, "policy"),  # a name (which names exist is checked when the callback is built)
+    ({"policy_options": "no-equals-sign"}, ValueError, "policy_options"),
     ({"cause_suspect": 0.0}, ValueError, "cause_suspect"),
     ({"cause_suspect": 1.5}, ValueError, "cause_suspect"),
     ({"cause_peer_factor": 1.0}, ValueError, "cause_peer_factor"),

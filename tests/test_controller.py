@@ -495,7 +495,7 @@ def test_load_state_dict_rejects_an_incompatible_state_with_a_clear_error(state,
 def test_a_state_with_locks_longer_than_lock_steps_is_cut_to_lock_steps():
     controller = GNMRController(GNMRConfig(window=3, lock_steps=5), 4)
     controller.load_state_dict(_saved_state(locks=[0, 300, 2, 9]))
-    assert controller.locks.tolist() == [0, 5, 2, 5]
+    assert controller.policy.locks.tolist() == [0, 5, 2, 5]
     assert controller.active.tolist() == [False, True, True, True]
 
 
@@ -568,17 +568,18 @@ def test_a_relapse_aware_controller_resumes_with_the_decisions_of_an_uninterrupt
     plain = GNMRController(GNMRConfig(**{**GNMR_ONLY, "max_active": 1}), 1)
     run(plain.config, RELAPSE_STREAM[:3], plain)
     resumed.load_state_dict(plain.state_dict())
-    assert resumed.lock_length.tolist() == [2] and resumed.locks.tolist() == [2]
+    assert resumed.policy.relapse.lock_length.tolist() == [2] and resumed.policy.locks.tolist() == [2]
 
 
 def test_revert_undoes_the_relapse_record_of_the_last_step():
     config = GNMRConfig(**{**GNMR_ONLY, "max_active": 1}, relapse_lock=True, relapse_lock_cap=6)
     controller = GNMRController(config, 1)
     run(config, RELAPSE_STREAM[:5], controller)
-    before = (controller.lock_length.clone(), controller.exited_at.clone())
+    relapse = controller.policy.relapse
+    before = (relapse.lock_length.clone(), relapse.exited_at.clone())
     controller.observe(torch.tensor([50.0], dtype=torch.float64))
     controller.revert()
-    assert torch.equal(controller.lock_length, before[0]) and torch.equal(controller.exited_at, before[1])
+    assert torch.equal(relapse.lock_length, before[0]) and torch.equal(relapse.exited_at, before[1])
 
 
 @pytest.mark.parametrize(
@@ -614,7 +615,7 @@ def _keys(kind: str, n: int, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("n", [4097, 20_000])
 @pytest.mark.parametrize("k", [0, 1, 4, 16])
 def test_top_indices_is_exactly_a_stable_descending_argsort(kind, n, k):
-    from gnmr_hf.controller import _SORT_UP_TO, top_indices
+    from gnmr_hf.policy import _SORT_UP_TO, top_indices
 
     assert n > _SORT_UP_TO  # the topk path
     key = _keys(kind, n, torch.Generator().manual_seed(n + k))
@@ -622,7 +623,7 @@ def test_top_indices_is_exactly_a_stable_descending_argsort(kind, n, k):
 
 
 def test_decisions_above_the_sort_threshold_are_those_of_the_sort(monkeypatch):
-    import gnmr_hf.controller as controller_module
+    import gnmr_hf.policy as policy_module
 
     n = 6000
     stream = random_stream(30, n, seed=3)
@@ -634,7 +635,7 @@ def test_decisions_above_the_sort_threshold_are_those_of_the_sort(monkeypatch):
         return [controller.observe(row) for row in stream]
 
     fast = decide()
-    monkeypatch.setattr(controller_module, "_SORT_UP_TO", 10**9)
+    monkeypatch.setattr(policy_module, "_SORT_UP_TO", 10**9)
     sorted_ = decide()
     assert any(d.entered.any() for d in fast)
     for a, b in zip(fast, sorted_, strict=True):

@@ -14,7 +14,6 @@ import torch
 
 from gnmr_hf import GNMRConfig, GNMRController
 from gnmr_hf.advise import advise
-from gnmr_hf.cause import UnitRelations
 
 # One layer: an attention unit (0), its four projections (1-4, its family), an MLP's three projections (5-7).
 NAMES = [
@@ -34,7 +33,7 @@ HEALTHY = 0.2
 
 def cause_controller(names=NAMES, kinds=KINDS, **overrides) -> GNMRController:
     config = GNMRConfig(**{**CAUSE, **overrides})
-    return GNMRController(config, len(names), relations=UnitRelations.from_names(names, kinds))
+    return GNMRController(config, len(names), names=names, kinds=kinds)
 
 
 def run(ctl: GNMRController, stream, norms=None) -> list:
@@ -68,7 +67,8 @@ def test_the_cause_policy_holds_the_max_active_lossiest_of_more_broken_units_tha
     ctl = cause_controller()
     hosts = run(ctl, [losses(u2=1.5, u5=1.8, u7=1.2)] * 3)
     assert [list(h.active) for h in hosts] == [[2, 5]] * 3
-    assert hosts[0].cause["why"] == [[2, "broken", -1], [5, "broken", -1]]
+    assert all(h.n_candidates == 3 for h in hosts)
+    assert hosts[0].extras["cause"]["why"] == [[2, "broken", -1], [5, "broken", -1]]
 
 
 def test_a_broken_unit_takes_a_held_ones_place_only_when_it_loses_more_than_the_incumbent_factor_times_as_much():
@@ -104,7 +104,7 @@ def test_a_fidelity_exactly_at_its_bound_is_not_broken_and_the_next_float_past_i
     assert [list(h.active) for h in at] == [[]] * 4
     past = run(cause_controller(), [losses(0.3, u7=above(1.0))] * 4)
     assert [list(h.active) for h in past] == [[7]] * 4
-    assert past[0].cause["why"] == [[7, "broken", -1]]
+    assert past[0].extras["cause"]["why"] == [[7, "broken", -1]]
 
 
 def test_a_cause_exactly_at_cause_suspect_is_not_blamed_for_a_symptom_and_the_next_float_past_it_is():
@@ -113,7 +113,7 @@ def test_a_cause_exactly_at_cause_suspect_is_not_blamed_for_a_symptom_and_the_ne
     at = run(cause_controller(), [losses()] * 3 + [losses(u0=0.5)], norms)
     assert list(at[-1].risky) == [1] and list(at[-1].active) == []
     past = run(cause_controller(), [losses()] * 3 + [losses(u0=above(0.5))], norms)
-    assert list(past[-1].active) == [0] and past[-1].cause["why"] == [[0, "cause", 1]]
+    assert list(past[-1].active) == [0] and past[-1].extras["cause"]["why"] == [[0, "cause", 1]]
 
 
 def test_a_unit_exactly_peer_factor_times_its_peers_median_is_not_broken_and_the_next_float_past_it_is():
@@ -122,7 +122,7 @@ def test_a_unit_exactly_peer_factor_times_its_peers_median_is_not_broken_and_the
     at = run(cause_controller(names, ["linear"] * 4), [[median, median, 0.75, median]] * 3)
     assert [list(h.active) for h in at] == [[]] * 3
     past = run(cause_controller(names, ["linear"] * 4), [[median, median, above(0.75), median]] * 3)
-    assert [list(h.active) for h in past] == [[2]] * 3 and past[0].cause["why"] == [[2, "peer", -1]]
+    assert [list(h.active) for h in past] == [[2]] * 3 and past[0].extras["cause"]["why"] == [[2, "peer", -1]]
 
 
 def test_a_measure_stands_in_recovery_for_recovery_every_steps_from_the_step_it_was_taken():
@@ -136,7 +136,7 @@ def test_a_measure_stands_in_recovery_for_recovery_every_steps_from_the_step_it_
     assert [ctl_lock for ctl_lock in _locks_of(cause_controller(lock_steps=4, cause_recovery_every=3), stream, 7)] == [
         4, 4, 4, 3, 2, 1, 0, 0,
     ]  # fmt: skip
-    assert [h.cause["why"] for h in hosts[:4]] == [
+    assert [h.extras["cause"]["why"] for h in hosts[:4]] == [
         [[7, "broken", -1]], [[7, "broken", -1]], [[7, "broken", -1]], [[7, "countdown", -1]],
     ]  # fmt: skip
 

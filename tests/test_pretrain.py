@@ -9,14 +9,7 @@ import torch
 from torch import nn
 
 from gnmr_hf import GNMRConfig, GNMRController, find_units
-from gnmr_hf.experiments.baselines import (
-    FixedSetPolicy,
-    GlobalZScorePolicy,
-    RandomPolicy,
-    StaticPolicy,
-    best_static_units,
-    first_last_units,
-)
+from gnmr_hf.experiments.baselines import best_static_units, first_last_units
 from gnmr_hf.experiments.pretrain import ByteTokenizer, block_dataset, llama_config, load_corpus
 
 from trainer_utils import load_recipe
@@ -69,11 +62,11 @@ def test_the_llama_config_has_the_asked_shape():
 # -------------------------------------------------------------------------------------------------- baselines
 
 
-def controller_for(policy, n=8, **config):
+def controller_for(policy, options=None, n=8, **config):
+    """A controller over n act_quant units with the baseline `policy` (its name) and its `options`."""
     units = find_units(nn.Sequential(*[nn.Linear(2, 2) for _ in range(n)]), "act_quant")
-    policy.bind(units.names, torch.device("cpu"))
-    cfg = GNMRConfig(backend="act_quant", **config)
-    return GNMRController(cfg, n, selection=policy), units
+    cfg = GNMRConfig(backend="act_quant", policy=policy, policy_options=options, **config)
+    return GNMRController(cfg, n, names=units.names), units
 
 
 def run_policy(controller, steps, spike_at=None, spike_unit=0, n=8):
@@ -88,14 +81,14 @@ def run_policy(controller, steps, spike_at=None, spike_unit=0, n=8):
 
 
 def test_static_policies_recover_every_unit_or_none():
-    high, _ = controller_for(StaticPolicy(high=True))
-    low, _ = controller_for(StaticPolicy(high=False))
+    high, _ = controller_for("static_high")
+    low, _ = controller_for("static_low")
     assert high.active.all() and run_policy(high, 5).all()
     assert not low.active.any() and not run_policy(low, 5).any()
 
 
 def test_random_selection_spends_the_mean_budget_and_never_exceeds_max_active():
-    controller, _ = controller_for(RandomPolicy(mean_active=1.5, max_active=3, lock_steps=4, seed=0))
+    controller, _ = controller_for("random", {"mean_active": 1.5, "seed": 0}, max_active=3, lock_steps=4)
     active = run_policy(controller, 400)  # active[i] is the set decided at step i + 1
     counts = active.sum(1).float()
     assert counts.max() <= 3 and abs(counts.mean().item() - 1.5) < 0.2
@@ -105,10 +98,10 @@ def test_random_selection_spends_the_mean_budget_and_never_exceeds_max_active():
 
 
 def test_a_fixed_carve_out_keeps_exactly_its_units():
-    controller, units = controller_for(FixedSetPolicy(["1", "5"]))
+    controller, _ = controller_for("carve_out", {"units": ["1", "5"]})
     assert run_policy(controller, 5).nonzero()[:, 1].unique().tolist() == [1, 5]
     with pytest.raises(ValueError, match="not units"):
-        FixedSetPolicy(["nope"]).bind(units.names, torch.device("cpu"))
+        controller_for("carve_out", {"units": ["nope"]})
 
 
 def test_the_first_last_carve_out_alternates_the_end_layers():
@@ -137,8 +130,7 @@ def test_the_best_static_carve_out_takes_the_largest_mean_gaps():
 
 
 def test_the_global_z_score_detector_fires_on_a_total_norm_spike_within_the_budget():
-    policy = GlobalZScorePolicy(max_active=2, lock_steps=3, warmup=10)
-    controller, _ = controller_for(policy)
+    controller, _ = controller_for("global_z", {"warmup": 10}, max_active=2, lock_steps=3)
     active = run_policy(controller, 40, spike_at=30, spike_unit=6)
     assert not active[:29].any()
     assert active[29, 6] and active[29].sum() == 2  # the spiking unit and the next largest norm

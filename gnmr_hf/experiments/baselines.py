@@ -1,113 +1,169 @@
-"""The baselines a GNMR claim is measured against, as `Selection`s over the very same units, callback and trace.
+"""The baselines a GNMR claim is measured against, as policies over the very same units, callback and trace.
 
-A baseline differs from GNMR in one thing only: *which* units run on the recovery path at the next step
-(`GNMRCallback(config, selection=...)`); GNMR's scores are still computed and traced every step. Static low/high,
-a random set at GNMR's budget, fixed carve-outs (named, first/last layers, best in hindsight from the oracle) and
-a ZClip-style global z-score detector. They do not resume from a checkpoint; a comparison runs each arm once.
+A baseline differs from GNMR in one thing only: *which* units run on the recovery path at the next step. Each is a
+`gnmr_hf.Policy`, registered when this module is imported, and chosen like any policy:
+`GNMRConfig(policy="random", policy_options={"mean_active": 1.5})`; GNMR's scores are still computed and traced
+every step. Static low/high, a set of units by name (a carve-out), by regex, the first/last layers, a random set at
+GNMR's budget, and a ZClip-style global z-score detector. They keep no checkpointed state, so a run with one does
+not resume (the callback refuses); a comparison runs each arm once.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from ..controller import Decision, Selection
+from ..policy import Choice, Policy, PolicyOptions, Scores, register_policy
 
 __all__ = [
+    "BASELINES",
     "FirstLastPolicy",
     "FixedSetPolicy",
     "GlobalZScorePolicy",
     "NamedSetPolicy",
     "RandomPolicy",
-    "StaticPolicy",
+    "StaticHighPolicy",
+    "StaticLowPolicy",
     "best_static_units",
     "first_last_units",
 ]
 
 
-class StaticPolicy(Selection):
-    """Every unit on the recovery path (`high=True`) or none (`high=False`), at every step."""
+class _Baseline(Policy):
+    """A baseline: no state worth a checkpoint, and the set it returns is its own candidates."""
 
-    def __init__(self, high: bool) -> None:
-        self.high = high
-        self.name = "static_high" if high else "static_low"
+    resumes = False
+
+    def step(self, scores: Scores) -> Choice:
+        self.active = self.choose(scores)
+        return Choice(self.active, self.active)
+
+    @abstractmethod
+    def choose(self, scores: Scores) -> torch.Tensor:
+        """The set for step `scores.t + 1` (bool [N] on the device)."""
+
+
+class StaticLowPolicy(_Baseline):
+    """No unit on the recovery path, at any step: every unit on the cheap path."""
+
+    name = "static_low"
+    high = False
 
     def initial(self) -> torch.Tensor:
         return torch.full((self.num_units,), self.high, dtype=torch.bool, device=self.device)
 
-    def select(self, decision: Decision, norms: torch.Tensor, missing: torch.Tensor | None) -> torch.Tensor:
+    def choose(self, scores: Scores) -> torch.Tensor:
         return self.initial()
 
 
-class FixedSetPolicy(Selection):
-    """The units named `names` on the recovery path for the whole run (a carve-out)."""
+class StaticHighPolicy(StaticLowPolicy):
+    """Every unit on the recovery path, at every step."""
 
-    def __init__(self, names: Sequence[str], name: str = "carve_out") -> None:
-        self.fixed = list(names)
-        self.name = name
+    name = "static_high"
+    high = True
 
-    def choose(self, names: Sequence[str]) -> list[str]:
+
+@dataclass
+class FixedSetOptions(PolicyOptions):
+    units: list[str] = field(default_factory=list, metadata={"help": "The unit names kept on the recovery path."})
+
+
+class FixedSetPolicy(_Baseline):
+    """The units named by the `units` option on the recovery path for the whole run (a carve-out)."""
+
+    name = "carve_out"
+    options = FixedSetOptions
+
+    def pick(self, names: Sequence[str]) -> list[str]:
         """The unit names to keep on the recovery path, from all of them."""
-        return self.fixed
+        return list(self.opts.units)
 
-    def bind(self, names: Sequence[str], device: torch.device) -> None:
-        super().bind(names, device)
+    def bind(self, names: Sequence[str], kinds: Sequence[str], device: torch.device) -> None:
         index = {n: i for i, n in enumerate(names)}
-        chosen = self.choose(names)
+        chosen = self.pick(names)
         unknown = [n for n in chosen if n not in index]
         if unknown:
             raise ValueError(f"{type(self).__name__}: names {unknown} are not units; the units are {sorted(index)}")
-        self.mask = torch.zeros(self.num_units, dtype=torch.bool, device=device)
+        self.mask = torch.zeros(len(names), dtype=torch.bool, device=device)
         self.mask[[index[n] for n in chosen]] = True
+        super().bind(names, kinds, device)
 
     def initial(self) -> torch.Tensor:
         return self.mask.clone()
 
-    def select(self, decision: Decision, norms: torch.Tensor, missing: torch.Tensor | None) -> torch.Tensor:
+    def choose(self, scores: Scores) -> torch.Tensor:
         return self.mask.clone()
 
 
+@dataclass
+class NamedSetOptions(PolicyOptions):
+    patterns: list[str] = field(default_factory=list, metadata={"help": "Regexes, searched in the unit names."})
+
+
 class NamedSetPolicy(FixedSetPolicy):
-    """The units whose names match one of `patterns` (regexes, searched), for the whole run."""
+    """The units whose names match one of the `patterns` option's regexes, for the whole run."""
 
-    def __init__(self, patterns: Sequence[str]) -> None:
-        super().__init__([], name="carve_named")
-        self.patterns = [re.compile(p) for p in patterns]
+    name = "carve_named"
+    options = NamedSetOptions
 
-    def choose(self, names: Sequence[str]) -> list[str]:
-        chosen = [n for n in names if any(p.search(n) for p in self.patterns)]
+    def pick(self, names: Sequence[str]) -> list[str]:
+        patterns = [re.compile(p) for p in self.opts.patterns]
+        chosen = [n for n in names if any(p.search(n) for p in patterns)]
         if not chosen:
-            raise ValueError(f"carve_named: no unit name matches {[p.pattern for p in self.patterns]}")
+            raise ValueError(f"carve_named: no unit name matches {[p.pattern for p in patterns]}")
         return chosen
 
 
+@dataclass
+class FirstLastOptions(PolicyOptions):
+    count: int = field(default=1, metadata={"help": "Units in the carve-out (>= 0)."})
+
+    def __post_init__(self) -> None:
+        self.check_int("count", 0)
+
+
 class FirstLastPolicy(FixedSetPolicy):
-    """The first/last-layers carve-out of `count` units, chosen when the units are known."""
+    """The first/last-layers carve-out of `count` units (`first_last_units`), chosen when the units are known."""
 
-    def __init__(self, count: int) -> None:
-        super().__init__([], name="carve_first_last")
-        self.count = count
+    name = "carve_first_last"
+    options = FirstLastOptions
 
-    def choose(self, names: Sequence[str]) -> list[str]:
-        return first_last_units(names, min(self.count, len(names)))
+    def pick(self, names: Sequence[str]) -> list[str]:
+        return first_last_units(names, min(self.opts.count, len(names)))
 
 
-class RandomPolicy(Selection):
+@dataclass
+class RandomOptions(PolicyOptions):
+    mean_active: float = field(default=0.0, metadata={"help": "The average number of units in recovery."})
+    seed: int = field(default=0, metadata={"help": "Seed of the policy's own generator."})
+
+    def __post_init__(self) -> None:
+        self.check_int("seed", 0)
+
+
+class RandomPolicy(_Baseline):
     """Random units with GNMR's budget: every `lock_steps` decisions, c units drawn uniformly, held `lock_steps`
     steps, with c = floor(mean_active) or that + 1 so that its mean is `mean_active`, and c <= max_active."""
 
     name = "random"
+    options = RandomOptions
 
-    def __init__(self, mean_active: float, max_active: int, lock_steps: int, seed: int = 0) -> None:
-        if not 0 <= mean_active <= max_active:
-            raise ValueError(f"RandomPolicy: mean_active must be in 0..max_active={max_active}, got {mean_active}")
-        self.mean_active, self.max_active, self.lock_steps = mean_active, max_active, lock_steps
+    def bind(self, names: Sequence[str], kinds: Sequence[str], device: torch.device) -> None:
+        self.mean_active, self.max_active = float(self.opts.mean_active), self.config.max_active
+        self.lock_steps = self.config.lock_steps
+        if not 0 <= self.mean_active <= self.max_active:
+            raise ValueError(
+                f"RandomPolicy: mean_active must be in 0..max_active={self.max_active}, got {self.mean_active}"
+            )
         # Its own generator: the draws must not shift any other random stream of the run.
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(self.opts.seed)
         self.current: torch.Tensor | None = None
+        super().bind(names, kinds, device)
 
     def _draw(self) -> torch.Tensor:
         base = math.floor(self.mean_active)
@@ -122,15 +178,25 @@ class RandomPolicy(Selection):
         self.current = self._draw()
         return self.current.clone()
 
-    def select(self, decision: Decision, norms: torch.Tensor, missing: torch.Tensor | None) -> torch.Tensor:
+    def choose(self, scores: Scores) -> torch.Tensor:
         # Step 1 ran the initial draw; steps lock_steps + 1, 2 * lock_steps + 1, ... start a new one.
-        if decision.step % self.lock_steps == 0 or self.current is None:
+        if scores.t % self.lock_steps == 0 or self.current is None:
             self.current = self._draw()
         return self.current.clone()
 
 
-class GlobalZScorePolicy(Selection):
-    """ZClip-style global spike detector at GNMR's budget (see the module docstring).
+@dataclass
+class GlobalZOptions(PolicyOptions):
+    z_threshold: float = field(default=2.5, metadata={"help": "z above which the detector fires."})
+    ema: float = field(default=0.97, metadata={"help": "Decay of the moving mean and variance."})
+    warmup: int = field(default=25, metadata={"help": "Steps that only initialize the mean and variance (>= 1)."})
+
+    def __post_init__(self) -> None:
+        self.check_int("warmup", 1)
+
+
+class GlobalZScorePolicy(_Baseline):
+    """ZClip-style global spike detector at GNMR's budget.
 
     The total norm g_t = sqrt(sum of the units' squared norms) is compared with an exponential moving mean m and
     variance v (decay `ema`): z = (g_t - m) / sqrt(v). The first `warmup` steps only initialize m and v (their mean
@@ -140,29 +206,26 @@ class GlobalZScorePolicy(Selection):
     """
 
     name = "global_z"
+    options = GlobalZOptions
 
-    def __init__(
-        self, max_active: int, lock_steps: int, z_threshold: float = 2.5, ema: float = 0.97, warmup: int = 25
-    ) -> None:
-        self.max_active, self.lock_steps = max_active, lock_steps
-        self.z_threshold, self.ema, self.warmup = z_threshold, ema, warmup
+    def bind(self, names: Sequence[str], kinds: Sequence[str], device: torch.device) -> None:
+        super().bind(names, kinds, device)
+        self.max_active, self.lock_steps = self.config.max_active, self.config.lock_steps
+        self.z_threshold, self.ema, self.warmup = self.opts.z_threshold, self.opts.ema, self.opts.warmup
         self.history: list[torch.Tensor] = []
-
-    def bind(self, names: Sequence[str], device: torch.device) -> None:
-        super().bind(names, device)
         self.locks = torch.zeros(self.num_units, dtype=torch.int32, device=device)
         self.mean = torch.zeros((), dtype=torch.float64, device=device)
         self.var = torch.zeros((), dtype=torch.float64, device=device)
 
-    def select(self, decision: Decision, norms: torch.Tensor, missing: torch.Tensor | None) -> torch.Tensor:
-        n = norms.to(torch.float64)
-        if missing is not None:
-            n = torch.where(missing, 0.0, n)
+    def choose(self, scores: Scores) -> torch.Tensor:
+        n = scores.norms
+        if scores.missing is not None:
+            n = torch.where(scores.missing, 0.0, n)
         n = torch.nan_to_num(n, nan=math.inf)
         total = n.square().sum().sqrt()
-        if decision.step <= self.warmup:
+        if scores.t <= self.warmup:
             self.history.append(total)
-            if decision.step == self.warmup:
+            if scores.t == self.warmup:
                 stacked = torch.stack(self.history)
                 self.mean, self.var = stacked.mean(), stacked.var(correction=0)
             self.locks = (self.locks - 1).clamp_min(0)
@@ -180,6 +243,19 @@ class GlobalZScorePolicy(Selection):
         # A fresh firing replaces the previous selection, so the budget holds.
         self.locks = torch.where(fired & ~top, 0, self.locks).to(torch.int32)
         return self.locks > 0
+
+
+BASELINES = (
+    StaticLowPolicy,
+    StaticHighPolicy,
+    FixedSetPolicy,
+    NamedSetPolicy,
+    FirstLastPolicy,
+    RandomPolicy,
+    GlobalZScorePolicy,
+)
+for _policy in BASELINES:
+    register_policy(_policy)
 
 
 _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")

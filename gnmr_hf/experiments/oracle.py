@@ -199,9 +199,9 @@ class OracleCallback(TrainerCallback):
         gaps, benefits = _probe(model, self.owner.units, batch, self.benefits)
         risk = [0.0] * len(self.owner.units)
         decision = self.owner.last_decision
-        if decision is not None and decision.cause is not None:
+        if decision is not None and "cause" in decision.extras:
             # The cause policy ranks by fidelity (what the cheap path loses), not by GNMR's risk.
-            for i, r in decision.cause["severity"]:
+            for i, r in decision.extras["cause"]["severity"]:
                 risk[i] = r
         elif decision is not None:
             for i, r in zip(decision.top_units.tolist(), decision.top_risks.tolist(), strict=True):

@@ -57,14 +57,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from ..callback import GNMRCallback
 from ..config import GNMRConfig
 from ..trace import read_trace
-from .baselines import (
-    FirstLastPolicy,
-    FixedSetPolicy,
-    GlobalZScorePolicy,
-    NamedSetPolicy,
-    RandomPolicy,
-    StaticPolicy,
-)
+
+# Importing the baselines registers the policies the baseline arms name (`_with_policy`).
+from .baselines import best_static_units
 from .stabilizers import STABILIZER_ARMS, describe, missing_package, parse_options, stabilizer_for
 
 __all__ = [
@@ -587,29 +582,30 @@ def arm_callbacks(
         return [GNMRCallback(config)]
     if arm == "gnmr_relapse":
         return [GNMRCallback(dataclasses.replace(config, relapse_lock=True))]
-    if arm == "gnmr_cause":
+    if arm in ("gnmr_cause", "gnmr_cause_zclip"):
         return [GNMRCallback(dataclasses.replace(config, policy="cause"))]
-    if arm in ("static_low", "static_high"):
-        return [GNMRCallback(config, selection=StaticPolicy(high=arm == "static_high"))]
-    if arm in STABILIZER_ARMS:  # the units' part; run_arm adds the stabilizer (its callbacks and optimizer)
-        if arm == "gnmr_cause_zclip":
-            return [GNMRCallback(dataclasses.replace(config, policy="cause"))]
-        return [GNMRCallback(config, selection=StaticPolicy(high=False))]
-    if arm == "global_z":
-        return [GNMRCallback(config, selection=GlobalZScorePolicy(config.max_active, config.lock_steps))]
+    if arm in STABILIZER_ARMS:  # the units' part, every unit cheap; run_arm adds the stabilizer
+        return [_with_policy(config, "static_low")]
+    if arm in ("static_low", "static_high", "global_z"):
+        return [_with_policy(config, arm)]
     if arm == "carve_best":
         if not carve_units:
             raise ValueError("arm_callbacks: carve_best needs carve_units (the units with the largest oracle gaps)")
-        return [GNMRCallback(config, selection=FixedSetPolicy(carve_units, name="carve_best"))]
+        return [_with_policy(config, "carve_out", units=list(carve_units))]
     if arm == "carve_named":
         if not carve_patterns:
             raise ValueError("arm_callbacks: carve_named needs carve_patterns (PretrainArguments.carve_named)")
-        return [GNMRCallback(config, selection=NamedSetPolicy(carve_patterns))]
+        return [_with_policy(config, "carve_named", patterns=list(carve_patterns))]
     if budget is None:
         raise ValueError(f"arm_callbacks: {arm} needs budget, the average number of units GNMR recovered")
     if arm == "random":
-        return [GNMRCallback(config, selection=RandomPolicy(budget, config.max_active, config.lock_steps, seed=seed))]
-    return [GNMRCallback(config, selection=FirstLastPolicy(max(1, round(budget))))]
+        return [_with_policy(config, "random", mean_active=budget, seed=seed)]
+    return [_with_policy(config, "carve_first_last", count=max(1, round(budget)))]
+
+
+def _with_policy(config: GNMRConfig, policy: str, **options: Any) -> GNMRCallback:
+    """A callback over `config`'s units with the baseline `policy` (`gnmr_hf.experiments.baselines`)."""
+    return GNMRCallback(dataclasses.replace(config, policy=policy, policy_options=options))
 
 
 def run_arm(
@@ -997,7 +993,6 @@ def run_comparison(
     """Every arm of `pretrain.arms` for every seed of `pretrain.seeds` (seeds outer), each in `root/<arm>/seed<k>`,
     and return their results. The budget arms take the mean budget of the gnmr run of the same seed under `root`
     (or `pretrain.budget`), carve_best the units with the largest mean oracle gaps of that run, so run gnmr first."""
-    from .baselines import best_static_units
 
     root = Path(root)
     check_arm_plan(root, pretrain, config)
