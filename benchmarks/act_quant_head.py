@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("act_quant"):
     import torch

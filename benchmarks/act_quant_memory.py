@@ -23,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("act_quant"):
     import torch

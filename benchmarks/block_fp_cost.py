@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("block_fp"):
     import torch

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("bnb_int8"):
     import torch

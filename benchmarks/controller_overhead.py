@@ -31,7 +31,7 @@ import resource
 import statistics
 import time
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports():
     import torch

@@ -45,7 +45,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("block_fp"):
     from transformers import TrainerCallback

@@ -37,7 +37,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("bnb_int8"):
     import torch

@@ -20,7 +20,7 @@ import platform
 import statistics
 import time
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports():
     import numpy as np

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports():
     import torch

@@ -25,7 +25,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports():
     from gnmr_hf.experiments.oracle import oracle_agreement, read_oracle

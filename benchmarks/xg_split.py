@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("act_quant"):
     import torch

@@ -15,6 +15,7 @@ dict whatever the policy.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
@@ -304,7 +305,9 @@ def get_policy(name: str) -> type[Policy]:
     """The policy class registered as `name`; a ValueError naming the known ones otherwise."""
     found = {**_builtin(), **_REGISTERED}.get(name)
     if found is None:
-        raise ValueError(f"unknown policy {name!r}; known policies are {known_policies()}")
+        close = difflib.get_close_matches(str(name), known_policies(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown policy {name!r}{hint}; known policies are {known_policies()}")
     return found
 
 

@@ -82,7 +82,7 @@ class EvaluateArguments:
 def main(argv: Sequence[str] | None = None) -> int:
     from transformers import HfArgumentParser
 
-    from gnmr_hf.cli import parse_or_fail, quiet_unused_imports
+    from gnmr_hf.commandline import parse_or_fail, quiet_unused_imports
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = HfArgumentParser(EvaluateArguments, description=__doc__.split("\n\n")[0], allow_abbrev=False)

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("bnb_int8"):
     import torch
@@ -245,7 +245,7 @@ def build_parser() -> HfArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainingArguments, FinetuneArguments, GNMRConfig]:
     """Parse the command line: the preset's defaults first, then the flags given. A user error exits with one line
     (`gnmr_hf.cli.fail`)."""
-    from gnmr_hf.cli import check_backend_options, fail, one_line_errors, unrecognized
+    from gnmr_hf.commandline import check_config, fail, one_line_errors, unrecognized
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = one_line_errors(build_parser())
@@ -283,7 +283,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainingArguments, Fi
         fail(message)
     if remaining:
         fail(unrecognized(parser, remaining))
-    check_backend_options(gnmr_config)
+    check_config(gnmr_config)
     checkpoint = training_args.resume_from_checkpoint
     # The Trainer reads trainer_state.json from the folder it resumes from, after the model is loaded.
     if checkpoint is not None and not (Path(checkpoint) / "trainer_state.json").is_file():

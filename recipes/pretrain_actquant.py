@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import sys
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("act_quant"):
     from gnmr_hf import get_backend

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import sys
 
-from gnmr_hf.cli import quiet_unused_imports
+from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("block_fp"):
     from gnmr_hf.experiments.pretrain import parse_recipe_arguments, run_recipe

@@ -216,7 +216,7 @@ def _stop_after_parsing(patch) -> None:
     from transformers import HfArgumentParser
 
     from gnmr_hf import GNMRConfig
-    from gnmr_hf.cli import check_backend_options
+    from gnmr_hf.commandline import check_config
 
     parse_dataclasses = HfArgumentParser.parse_args_into_dataclasses
     parse_args = argparse.ArgumentParser.parse_args
@@ -225,7 +225,7 @@ def _stop_after_parsing(patch) -> None:
         parsed = parse_dataclasses(self, *args, **kwargs)
         for value in parsed:
             if isinstance(value, GNMRConfig):
-                check_backend_options(value)
+                check_config(value)
         raise _Parsed(parsed)
 
     def args_then_stop(self, *args, **kwargs):

@@ -976,13 +976,13 @@ def parse_recipe_arguments(
     `TrainingArguments` field the command line does not give. A user error exits with one line (`gnmr_hf.cli`)."""
     from transformers import HfArgumentParser
 
-    from ..cli import check_backend_options, parse_or_fail
+    from ..commandline import check_config, parse_or_fail
 
     # No abbreviations: with three dataclasses' flags in one parser, a prefix would pick whichever flag it matches.
     parser = HfArgumentParser((TrainingArguments, PretrainArguments, GNMRConfig), allow_abbrev=False)
     parser.set_defaults(**defaults)
     base, pretrain, config = parse_or_fail(parser, argv)
-    check_backend_options(config)
+    check_config(config)
     given = {a[2:].split("=", 1)[0] for a in argv if a.startswith("--")}
     return training_arguments(base, pretrain.preset, given), pretrain, config
 
@@ -1072,7 +1072,7 @@ def run_recipe(args: TrainingArguments, pretrain: PretrainArguments, config: GNM
     """What a pretraining recipe does once its flags are parsed: load the corpus (logged with its fingerprint),
     run every arm and seed under `args.output_dir`, print the table (and write the plot), return the results."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from ..cli import fail
+    from ..commandline import fail
 
     try:
         check_arm_plan(args.output_dir, pretrain, config)
