@@ -29,7 +29,7 @@ from .options import BackendOptions
 from .registry import find_units, get_backend
 from .units import Backend, RecoverableUnit, UnitSet, close_units, unit_of
 
-__all__ = ["check_backend", "tiny_llama"]
+__all__ = ["TINY_LLAMA", "check_backend", "tiny_llama"]
 
 # The promises, as each message starts.
 FOUND = "find_units must return the units it made, each with its name, ledger and signal"
@@ -62,23 +62,26 @@ _GLOBAL_HOOKS = (
 )
 
 
+# The tiny LLaMA every test and the demo build (`LlamaConfig` fields); the harness's `build_tiny_llama` uses it too.
+TINY_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+)
+
+
 def tiny_llama(**overrides: Any) -> nn.Module:
-    """A randomly initialised `LlamaForCausalLM` (2 layers, hidden 64, vocabulary 256; seed 0; fp32), built from a
-    config: no network, no files. `overrides` are `LlamaConfig` fields."""
+    """A randomly initialised `LlamaForCausalLM` (`TINY_LLAMA`: 2 layers, hidden 64, vocabulary 256; seed 0; fp32),
+    built from a config: no network, no files. `overrides` are `LlamaConfig` fields."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=128,
-    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(**{**config, **overrides}))
+        return LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides}))
 
 
 def causal_lm_loss(model: nn.Module) -> torch.Tensor:

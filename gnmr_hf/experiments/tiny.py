@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+# The tiny LLaMA's shape is the library's test model's (`gnmr_hf.testing`), re-exported for the harness.
+from ..testing import TINY_LLAMA
+
 __all__ = [
     "TINY_LLAMA",
     "build_tiny_llama",
@@ -22,16 +25,6 @@ __all__ = [
     "write_local_text",
     "write_tiny_gguf",
 ]
-
-TINY_LLAMA = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=128,
-)
 
 
 def build_tiny_llama(path: str | Path, seed: int = 0, **overrides: int) -> Path:
