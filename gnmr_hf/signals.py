@@ -21,6 +21,7 @@ from .options import BackendOptions
 
 __all__ = [
     "SIGNALS",
+    "NormGrid",
     "OutputGradMeter",
     "Signal",
     "SignalOptions",
@@ -190,6 +191,36 @@ def _shard_groups(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     return tuple(mesh.get_group(dim) for dim, p in enumerate(tensor.placements) if p.is_shard())
 
 
+class NormGrid:
+    """Per-unit sums of squared gradient norms, the same on every device: each tensor j of the units' signals
+    (`owner[j]`: its unit) has its own slot in an [N, M] grid (M = most tensors of one unit), so a unit's sum is a
+    plain `sum(dim=1)` over its row, unlike `index_add_`, whose CUDA kernel adds in a nondeterministic order (and
+    decisions must be a pure function of the gradients). `UnitSignals` and the DeepSpeed ZeRO path fill it."""
+
+    def __init__(self, owner: Sequence[int], num_units: int, device: torch.device) -> None:
+        self.num_units, self.device = num_units, device
+        self.width = max(Counter(owner).values(), default=1)
+        seen = [0] * num_units
+        self.slots: list[int] = []
+        for i in owner:
+            self.slots.append(i * self.width + seen[i])
+            seen[i] += 1
+
+    def slot_tensor(self, tensors: Sequence[int]) -> torch.Tensor:
+        """The grid slots of signal tensors `tensors` (indices into `owner`), on the device."""
+        return torch.tensor([self.slots[j] for j in tensors], dtype=torch.long, device=self.device)
+
+    def squares(self, grads: Sequence[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        """[N] float32: the squared norms of `grads`, each put in its slot of `slots` (`slot_tensor`), summed per
+        unit; 0 for a unit none of them belongs to."""
+        grid = torch.zeros(self.num_units * self.width, dtype=torch.float32, device=self.device)
+        if grads:
+            # Norms in float32 whatever the gradient dtype: bf16 squares lose the small terms of a sum.
+            norms = torch._foreach_norm(list(grads), 2, dtype=torch.float32)
+            grid[slots] = torch.stack([n.to(self.device) for n in norms]).square()
+        return grid.view(self.num_units, self.width).sum(dim=1)
+
+
 class UnitSignals:
     """Computes the [N] vector of per-unit gradient norms for a fixed list of units.
 
@@ -231,25 +262,13 @@ class UnitSignals:
         self.num_units = len(self.units)
         self.dp_group = dp_group
         self._owner_host = owner
-        # Each tensor gets its own slot in an [N, M] grid (M = most tensors of one unit), so the per-unit sum
-        # is a plain `sum(dim=1)`: deterministic on every device, unlike `index_add_`, whose CUDA kernel adds
-        # in a nondeterministic order (and decisions must be a pure function of the gradients).
-        width = max(Counter(owner).values(), default=1)
-        slots, seen = [], [0] * self.num_units
-        for i in owner:
-            slots.append(i * width + seen[i])
-            seen[i] += 1
-        self._width = width
+        self._grid = NormGrid(owner, self.num_units, self.device)
         # Tensors grouped by how their squares are reduced: None for plain tensors, else the process groups of
         # the mesh dimensions a DTensor gradient is sharded on. Each group's grid slots are kept on the device.
         self._members: dict[tuple[Any, ...] | None, list[int]] = {None: []}
         for j, tensor in enumerate(self.tensors):
             self._members.setdefault(_shard_groups(tensor), []).append(j)
-        self._slots = slots
-        self._member_slots = {
-            key: torch.tensor([slots[j] for j in members], dtype=torch.long, device=self.device)
-            for key, members in self._members.items()
-        }
+        self._member_slots = {key: self._grid.slot_tensor(members) for key, members in self._members.items()}
         self.sharded = len(self._members) > 1
         self._none_missing = torch.zeros(self.num_units, dtype=torch.bool, device=self.device)
         self._model = model
@@ -274,21 +293,13 @@ class UnitSignals:
         added into its own grid slot, then per unit. Marks the units that have a gradient in `has_grad`."""
         members = self._members[key]
         present = [j for j in members if self.tensors[j].grad is not None]
-        grid = torch.zeros(self.num_units * self._width, dtype=torch.float32, device=self.device)
-        if present:
-            grads = [self.tensors[j].grad for j in present]
-            if key is not None:
-                grads = [g.to_local() for g in grads]
-            for j in present:
-                has_grad[self._owner_host[j]] = True
-            # Norms in float32 whatever the gradient dtype: bf16 squares lose the small terms of a sum.
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-            per_tensor = torch.stack([n.to(self.device) for n in norms])
-            slots = self._member_slots[key]
-            if len(present) < len(members):
-                slots = torch.tensor([self._slots[j] for j in present], dtype=torch.long, device=self.device)
-            grid[slots] = per_tensor.square()
-        return grid.view(self.num_units, self._width).sum(dim=1)
+        grads = [self.tensors[j].grad for j in present]
+        if key is not None:
+            grads = [g.to_local() for g in grads]
+        for j in present:
+            has_grad[self._owner_host[j]] = True
+        slots = self._member_slots[key] if len(present) == len(members) else self._grid.slot_tensor(present)
+        return self._grid.squares(grads, slots)
 
     def gather_fidelity(self) -> torch.Tensor | None:
         """[N] float32 of what each unit's cheap path lost this step (`RecoverableUnit.take_measurements`, turned

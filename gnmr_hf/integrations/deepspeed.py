@@ -28,11 +28,12 @@ no extra weight; the bitsandbytes backends are refused (`check_backend` says why
 from __future__ import annotations
 
 import os
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from ..signals import NormGrid
 
 __all__ = ["DeepSpeedZero", "check_backend", "runs_under_deepspeed"]
 
@@ -168,13 +169,7 @@ class DeepSpeedZero:
                 )
         first = self.tensors[0] if self.tensors else next(units[0].module.parameters())
         self.device = first.device
-        width = max(Counter(owner).values(), default=1)
-        seen = [0] * self.num_units
-        slots = []
-        for i in owner:
-            slots.append(i * width + seen[i])
-            seen[i] += 1
-        self._width, self._slots = width, slots
+        self._grid = NormGrid(owner, self.num_units, self.device)
         self._static_missing = torch.tensor(static_missing, dtype=torch.bool, device=self.device)
         self._metered = torch.zeros(self.num_units, dtype=torch.bool, device=self.device)
         self._metered[[i for i, _ in self.meters]] = True
@@ -198,18 +193,13 @@ class DeepSpeedZero:
     def _local_squares(self) -> torch.Tensor:
         """[2, N]: this rank's per-unit sums of squared gradient slices and meter squares; which meters fired."""
         out = torch.zeros(2, self.num_units, dtype=torch.float32, device=self.device)
-        grid = torch.zeros(self.num_units * self._width, dtype=torch.float32, device=self.device)
         present, grads = [], []
         for j, t in enumerate(self.tensors):
             g = self._local_grad(t)
             if g is not None and g.numel():
-                present.append(self._slots[j])
+                present.append(j)
                 grads.append(g)
-        if grads:
-            # float32 whatever the gradient dtype: bf16 squares lose the small terms of a sum.
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-            grid[torch.tensor(present, device=self.device)] = torch.stack([n.to(self.device) for n in norms]).square()
-        out[0] = grid.view(self.num_units, self._width).sum(dim=1)
+        out[0] = self._grid.squares(grads, self._grid.slot_tensor(present))
         for i, meter in self.meters:
             value = meter.take()
             if value is not None:
