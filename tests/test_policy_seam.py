@@ -165,3 +165,27 @@ def test_the_policy_of_the_method_docs_runs_as_shown():
         norms[2] = 20.0 if step == 4 else 1.0
         active.append(controller.observe(norms).active.nonzero().flatten().tolist())
     assert active == [[], [], [], [2], [], [], []] and type(controller.policy) is namespace["NoLockPolicy"]
+
+
+def _runs(root: Path, actives: list[list[int]], extra: dict | None = None, loss: float = 1.5) -> Path:
+    folder = root / "gnmr" / "seed0"
+    folder.mkdir(parents=True)
+    lines = [{"type": "header", "version": 2, "units": ["a", "b", "c"]}]
+    for step, active in enumerate(actives, start=1):
+        lines.append({"type": "step", "step": step, "active": active, "risky": []} | (extra or {}))
+    (folder / "gnmr_trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (folder / "result.json").write_text(json.dumps({"final_eval_loss": loss}))
+    return root
+
+
+def test_compare_traces_finds_the_first_differing_decision_and_names_the_fields_only_one_side_has(tmp_path, capsys):
+    compare = runpy.run_path(str(ROOT / "benchmarks" / "compare_traces.py"))["main"]
+    before = _runs(tmp_path / "before", [[], [1], [1]])
+    same = _runs(tmp_path / "same", [[], [1], [1]], extra={"left_out": []})
+    other = _runs(tmp_path / "other", [[], [1], [2]])
+    assert compare([str(before), str(same)]) == 0
+    assert "same  gnmr/seed0: the same 3 steps, final validation loss 1.5; compared without left_out" in (
+        capsys.readouterr().out
+    )
+    assert compare([str(before), str(other)]) == 1
+    assert "DIFFERENT  gnmr/seed0: step 3: active differs ([1] against [2])" in capsys.readouterr().out
