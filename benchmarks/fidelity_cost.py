@@ -20,14 +20,15 @@ measuring `--rows` rows of each tensor (`GNMRConfig.cause_fidelity_rows`, defaul
 `--device cuda` runs the same on a GPU (`benchmarks/gpu_check.sh` does, at d=128 and d=2048).
 
 Reported, per step: the time of the step not measuring (median; CPU time on a CPU, synchronized wall time on a
-GPU); the fidelity signal's own time (mean over the steps, so that the steps on which a unit in recovery measures
-count in their share), measured directly, in the step's clock (CPU time on a CPU: on one thread the wall time of an
-idle machine, as the tables of docs/results.md were measured, and not inflated by other processes on a shared one),
-inside every function through which a backend measures (its probes, the attention unit's shadow, the input hook)
-and in the per-step gathering (`UnitSignals.gather_fidelity`), the way docs/performance.md measures "GNMR's own time";
-and, for reference, the end-to-end CPU time's difference (noisier: +-3 points on a shared machine), also paired by
-round (each round's mean step less that of the not-measuring mode in the same round, mean +- standard error over
-the rounds: with many short rounds, `--rounds 150 --steps 1`, drift cancels and the error shrinks with the rounds).
+GPU); the fidelity measuring's own time (mean over the steps, so that the steps on which a unit in recovery
+measures count in their share), measured directly, in the step's clock (CPU time on a CPU: on one thread the wall
+time of an idle machine, as the tables of docs/results.md were measured, and not inflated by other processes on a
+shared one), inside every function through which a backend measures (its probes, the attention unit's shadow, the
+meter's input hook) and in the per-step gathering (`UnitSignals.gather_cheap_loss`), the way docs/performance.md
+measures "GNMR's own time"; and, for reference, the end-to-end CPU time's difference (noisier: +-3 points on a
+shared machine), also paired by round (each round's mean step less that of the not-measuring mode in the same round,
+mean +- standard error over the rounds: with many short rounds, `--rounds 150 --steps 1`, drift cancels and the
+error shrinks with the rounds).
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ with quiet_unused_imports():
     import torch
 
     from gnmr_hf import find_units
-    from gnmr_hf.backends import act_quant, block_fp
+    from gnmr_hf.backends import block_fp
+    from gnmr_hf.backends.act_quant import attention, head, linear, mlp, norm
     from gnmr_hf.experiments.pretrain import build_model, llama_config
+    from gnmr_hf.meter import FidelityMeter
     from gnmr_hf.signals import UnitSignals
-    from gnmr_hf.units import RecoverableUnit
 
 REGIMES = {
     "act_quant attention + linear, 4/8-bit": (
@@ -69,15 +71,16 @@ REGIMES = {
     ),
 }
 
-# Every place a backend spends time on fidelity: (owner, attribute). The benchmark fails if one is renamed.
+# Every place a backend spends time on fidelity: (owner, attribute), a function where its callers look it up (each
+# act_quant kind's module imports its own). The benchmark fails if one is renamed.
 MEASURING = [
-    (act_quant, "_operand_parts"),
-    (act_quant, "row_totals"),
-    (act_quant.ActQuantAttentionUnit, "shadow_parts"),
+    *((kind, "_operand_parts") for kind in (attention, head, linear, mlp, norm)),
+    (attention, "row_totals"),
+    (attention.ActQuantAttentionUnit, "shadow_parts"),
     (block_fp, "_forward_probe"),
     (block_fp, "_backward_probe"),
-    (RecoverableUnit, "_on_input"),
-    (UnitSignals, "gather_fidelity"),
+    (FidelityMeter, "_on_input"),
+    (UnitSignals, "gather_cheap_loss"),
 ]
 
 
@@ -125,7 +128,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per mode and round")
-    parser.add_argument("--rows", type=int, nargs="+", default=[256], help="fidelity_rows to compare (0: every row)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[256], help="cause_fidelity_rows values (0: every row)")
     parser.add_argument("--recovery_every", type=int, default=4, help="GNMRConfig.cause_recovery_every")
     parser.add_argument("--d_model", type=int, default=128, help="hidden size (the probe model: 128)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (step time: synchronized wall time)")
@@ -147,8 +150,8 @@ def main() -> None:
     own = OwnTime(step_clock)
     own.install()
     # GNMR's whole own time: the measuring functions and the per-unit gradient norms both policies read
-    # (UnitSignals.compute, which also gathers the fidelity), outermost calls only. Not measuring, it is what the
-    # paper's policy costs; measuring, the cause policy.
+    # (UnitSignals.compute, which also gathers the cheap paths' losses), outermost calls only. Not measuring, it is
+    # what the paper's policy costs; measuring, the cause policy.
     total = OwnTime(step_clock)
     for owner, name in MEASURING:
         setattr(owner, name, total.wrap(getattr(owner, name)))
@@ -189,9 +192,9 @@ def main() -> None:
             for mode, (rows, recovering) in mode_table.items():
                 for unit in units:
                     if rows is None:
-                        unit.measure_fidelity = False
+                        unit.meter.stop()
                     else:
-                        unit.start_measuring(rows, clock=lambda: clock[0], recovery_every=args.recovery_every)
+                        unit.meter.start(rows, clock=lambda: clock[0], recovery_every=args.recovery_every)
                 for unit in chosen:
                     (unit.enter_recovery if recovering else unit.exit_recovery)()
                 for step in range(args.steps + 1):

@@ -3,13 +3,14 @@
     python benchmarks/peerless_check.py runs/fp4_mx_cause/gnmr_cause/seed0/gnmr_trace.jsonl
 
 A unit without peers (`gnmr_hf.policies.cause.UnitRelations`: fewer than 3 of the same unit in other layers) is
-compared with the median of all measured units: broken when its fidelity is past `cause_suspect` and
+compared with the median of all measured units: broken when its cheap path's loss is past `cause_suspect` and
 `cause_peer_factor` times that median (docs/method.md, "Relations: families and peers"). For each trace this prints,
-per peerless unit, the steps its fidelity is in the trace's top-k severities, its largest value, and the steps on which
-the rule fires while its own bound does not (fidelity in (suspect, 1]): what the rule adds to a run recorded before it,
-read from the recorded severities. The median is taken over the severities the trace lists (`trace_top_k` lossiest
-units); with fewer listed than units it is an upper bound of the true median, so a step counted here fires for certain
-and a step not listed (the unit below the k-th largest loss) could not have fired unless that loss was past `suspect`.
+per peerless unit, the steps its loss is in the trace's top-k losses (`cause.cheap_loss`), its largest value, and the
+steps on which the rule fires while its own bound does not (loss in (suspect, 1]): what the rule adds to a run
+recorded before it, read from the recorded losses. The median is taken over the losses the trace lists (`trace_top_k`
+lossiest units); with fewer listed than units it is an upper bound of the true median, so a step counted here fires
+for certain and a step not listed (the unit below the k-th largest loss) could not have fired unless that loss was
+past `suspect`. A trace written before the loss was named `cheap_loss` (`cause.severity`) reads the same.
 """
 
 from __future__ import annotations
@@ -34,17 +35,17 @@ def peerless_report(path: str) -> list[str]:
     rows = UnitRelations.from_names(units).device_tensors(torch.device("cpu"))["peer_row"]
     peerless = (rows < 0).nonzero().flatten().tolist()
     lines = [f"{path}: {len(units)} units, {len(peerless)} without peers (suspect {suspect}, peer factor {factor})"]
-    severities = [dict(s["cause"]["severity"]) for s in steps if s.get("type") == "step" and "cause" in s]
+    losses = [dict(s["cause"]["cheap_loss"]) for s in steps if s.get("type") == "step" and "cause" in s]
     for i in peerless:
-        listed = [sev[i] for sev in severities if i in sev]
+        listed = [loss[i] for loss in losses if i in loss]
         fires = sum(
             1
-            for sev in severities
-            if i in sev and suspect < sev[i] <= 1 and sev[i] > factor * statistics.median(sev.values())
+            for loss in losses
+            if i in loss and suspect < loss[i] <= 1 and loss[i] > factor * statistics.median(loss.values())
         )
         largest = f"{max(listed):.3f}" if listed else "-"
         lines.append(
-            f"  {units[i]}: listed at {len(listed)} of {len(severities)} steps, largest {largest}, "
+            f"  {units[i]}: listed at {len(listed)} of {len(losses)} steps, largest {largest}, "
             f"the peerless rule fires (under its bound) at {fires} steps"
         )
     return lines

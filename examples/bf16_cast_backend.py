@@ -41,7 +41,7 @@ class CastUnit(SwitchedUnit):
 
     def input_fidelity(self, x: torch.Tensor) -> OperandStats:
         # policy="cause" only: what the cast loses on a sample of the input's rows, measured on both paths.
-        rows = take_rows(x, self.sample_rows(x))
+        rows = take_rows(x, self.meter.rows(x))
         return operand_stats(rows, rows.to(getattr(torch, self.options.low_dtype)))
 
     def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,11 @@
 
 A unit the run *needed persistently* spent at least `--min_share` of the steps from its first entry into recovery to
 the end of the run on the recovery path (default 0.5): what a static rule should keep off the cheap path. For those
-units it prints the evidence (steps recovered, first entry, entries, why the cause policy recovered them, the
-fidelity it measured, the units whose symptoms it was blamed for). A unit whose traced fidelity was past its bound
-(> 1) in at least `--min_share` of the steps from its first such step on, but that the run did not hold (the budget,
-`max_active`, was full), is listed apart with its evidence: its cheap path was broken too, and a
-static rule, which has no budget, should keep it off. Both kinds make the carve-out, printed three ways: this
+units it prints the evidence (steps recovered, first entry, entries, why the cause policy recovered them, the loss
+it measured on their cheap path, the units whose symptoms it was blamed for). A unit whose traced loss was past its
+bound (> 1) in at least `--min_share` of the steps from its first such step on, but that the run did not hold (the
+budget, `max_active`, was full), is listed apart with its evidence: its cheap path was broken too, and a static
+rule, which has no budget, should keep it off. Both kinds make the carve-out, printed three ways: this
 package's `exclude` patterns, a torchao `module_filter_fn`, and bitsandbytes' `llm_int8_skip_modules`; and, for
 every unit, the precision it actually ran in (the share of steps on each path). Every pattern printed is checked
 against the trace's unit names, and so is every `--expect` pattern (a carve-out the user already has): one that
@@ -37,8 +37,8 @@ class UnitEvidence:
     entries: int = 0
     reasons: Counter[str] = field(default_factory=Counter)
     sources: Counter[str] = field(default_factory=Counter)
-    fidelity: list[float] = field(default_factory=list)
-    broken: int = 0  # steps whose traced fidelity was past the bound
+    losses: list[float] = field(default_factory=list)  # its cheap path's, as traced (`cause.cheap_loss`)
+    broken: int = 0  # steps whose traced loss was past the bound
     first_broken: int | None = None
 
 
@@ -85,8 +85,8 @@ def advise(path: str, min_share: float = 0.5) -> Advice:
                     units[i].reasons[reason] += 1
                     if source >= 0:
                         units[i].sources[names[source]] += 1
-            for i, value in cause["severity"]:
-                units[i].fidelity.append(float(value))
+            for i, value in cause["cheap_loss"]:
+                units[i].losses.append(float(value))
                 if float(value) > 1:
                     units[i].broken += 1
                     if units[i].first_broken is None:
@@ -127,11 +127,11 @@ def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list
         for u in advice.persistent:
             share = u.recovered / advice.steps
             why = ", ".join(f"{r} x{c}" for r, c in u.reasons.most_common()) or "-"
-            fid = f"median fidelity {statistics.median(u.fidelity):.3g}" if u.fidelity else "fidelity not traced"
+            loss = f"median loss {statistics.median(u.losses):.3g}" if u.losses else "loss not traced"
             blamed = ", ".join(f"{s} x{c}" for s, c in u.sources.most_common(3))
             lines.append(
                 f"  {u.name}: {u.recovered}/{advice.steps} steps recovered ({share:.0%}), first at step "
-                f"{u.first_entry}, {u.entries} entries; why: {why}; {fid}"
+                f"{u.first_entry}, {u.entries} entries; why: {why}; {loss}"
                 + (f"; symptoms in: {blamed}" if blamed else "")
             )
         if advice.unheld:
@@ -142,8 +142,8 @@ def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list
             )
         for u in advice.unheld:
             lines.append(
-                f"  {u.name}: fidelity past its bound at {u.broken} steps from step {u.first_broken} on, median "
-                f"{statistics.median(u.fidelity):.3g} over the {len(u.fidelity)} steps traced; {u.recovered} steps "
+                f"  {u.name}: loss past its bound at {u.broken} steps from step {u.first_broken} on, median "
+                f"{statistics.median(u.losses):.3g} over the {len(u.losses)} steps traced; {u.recovered} steps "
                 "recovered"
             )
         patterns = [_pattern(n) for n in advice.names]

@@ -96,7 +96,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self.unit_names: list[str] | None = None
         self.unit_fidelity_state: dict[str, Any] | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._pending_fidelity: torch.Tensor | None = None  # read with the norms (policy="cause")
+        self._pending_cheap_loss: torch.Tensor | None = None  # read with the norms (policy="cause")
         self._scale_at_capture: torch.Tensor | None = None
         self._queued = False
         self._hooks: list[Any] = []
@@ -121,14 +121,15 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 "controller_state": self.controller.json_state() if self.controller is not None else None,
                 "summary_state": self.summary.state() if self.summary is not None else None,
                 "unit_names": [u.name for u in self.units] or None,
-                "unit_fidelity_state": self._unit_fidelity_state(),
+                "unit_fidelity_state": self._meter_states(),
             },
         }
 
-    def _unit_fidelity_state(self) -> dict[str, Any] | None:
-        """Per unit name, what its measuring carries across steps (`RecoverableUnit.fidelity_state`); None: none (a
-        unit that does not measure, as under the paper's policy, carries nothing)."""
-        states = {u.name: s for u in self.units if (s := u.fidelity_state()) is not None}
+    def _meter_states(self) -> dict[str, Any] | None:
+        """Per unit name, what its measuring carries across steps (`RecoverableUnit.meter_state`); None: none (a unit
+        that does not measure, as under the paper's policy, carries nothing). Stored as `unit_fidelity_state`: the
+        state of the fidelity measuring, under the key checkpoints have always had."""
+        states = {u.name: s for u in self.units if (s := u.meter_state()) is not None}
         return states or None
 
     # ------------------------------------------------------------------ events
@@ -182,7 +183,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if policy.measures:
             # The policy reads what each unit's cheap path loses: the units measure it from now on.
             for unit in self.units:
-                unit.start_measuring(
+                unit.meter.start(
                     cfg.cause_fidelity_rows, clock=lambda: state.global_step, recovery_every=cfg.recovery_every
                 )
         self.controller = GNMRController(
@@ -251,7 +252,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         assert self.controller is not None and self.summary is not None
         step = state.global_step + 1  # the optimizer step being taken (global_step counts it after on_step_end)
         pending, self._pending = self._pending, None
-        fidelity, self._pending_fidelity = self._pending_fidelity, None
+        cheap_loss, self._pending_cheap_loss = self._pending_cheap_loss, None
         self._queued = False
         try:
             self.signals.check()
@@ -265,7 +266,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         cfg = self.config
         check_history = self._warmup_check_step == 0 and self.controller.step + 1 >= cfg.min_history + cfg.window
         skipped = self._skipped(optimizer)
-        decision = self.controller.observe(*pending, fidelity).to_host(
+        decision = self.controller.observe(*pending, cheap_loss).to_host(
             top_k=cfg.trace_top_k, history=check_history, flag=skipped
         )
         if decision.flag:
@@ -325,7 +326,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if self._trace is not None:
             self._trace.close()
             self._trace = None
-        self._pending, self._pending_fidelity, self._queued = None, None, False
+        self._pending, self._pending_cheap_loss, self._queued = None, None, False
         if self._model is not None:
             run = self._model.__dict__.get(_RUN_ATTR)
             if run is not None and run[0]() is self:
@@ -373,7 +374,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
                     f"the {len(units)} units found now; resume with the same model, backend and "
                     "include/exclude/module_filter_fn"
                 )
-            units[name].load_fidelity_state(unit_state)
+            units[name].load_meter_state(unit_state)
         logger.info("GNMR: restored the controller state of optimizer step %d", state.global_step)
 
     def _install_capture_hooks(self) -> None:
@@ -381,7 +382,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         if self._zero is not None:
             # DeepSpeed ZeRO: the reduced gradients exist only just before its optimizer step, read there.
             def sink(norms: torch.Tensor, missing: torch.Tensor) -> None:
-                self._pending, self._pending_fidelity = (norms, missing), self.signals.gather_fidelity()
+                self._pending, self._pending_cheap_loss = (norms, missing), self.signals.gather_cheap_loss()
 
             self._hooks = [self._zero.install(self.units, sink)]
             return
@@ -413,7 +414,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
             scale = _loss_scale(self._scaler)
             norms = norms / scale.to(norms.device)
             self._scale_at_capture = scale.clone()
-        self._pending, self._pending_fidelity = (norms, missing), self.signals.fidelity
+        self._pending, self._pending_cheap_loss = (norms, missing), self.signals.cheap_loss
         self._queued = False
 
     def _skipped(self, optimizer: Any) -> torch.Tensor | None:

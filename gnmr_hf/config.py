@@ -82,9 +82,10 @@ class GNMRConfig:
         default="paper",
         metadata={
             "help": "Which policy chooses the recovery set: 'paper' (default): the paper's selection, bit for bit. "
-            "'cause': also measure what each unit's cheap path loses (its fidelity), recover the unit that causes a "
-            "symptom, units broken from the start, hold them while their cheap path stays lossy (docs/method.md, "
-            "'The cause policy'). Or a name given to gnmr_hf.register_policy. Checked when the callback is built."
+            "'cause': also measure what each unit's cheap path loses (1 = its backend's bound), recover the unit "
+            "that causes a symptom, units broken from the start, hold them while their cheap path stays lossy "
+            "(docs/method.md, 'The cause policy'). Or a name given to gnmr_hf.register_policy. Checked when the "
+            "callback is built."
         },
     )
     policy_options: dict | str | None = field(
@@ -97,14 +98,14 @@ class GNMRConfig:
     cause_suspect: float = field(
         default=0.5,
         metadata={
-            "help": "policy='cause': fidelity (1 = the backend's bound) above which a unit can be blamed for a "
+            "help": "policy='cause': a unit's loss (1 = the backend's bound) above which it can be blamed for a "
             "symptom in its family and is held in recovery; above 1 it is recovered without a symptom. In (0, 1]."
         },
     )
     cause_peer_factor: float = field(
         default=4.0,
         metadata={
-            "help": "policy='cause': a unit whose fidelity is this many times the median of its peers (the same "
+            "help": "policy='cause': a unit whose loss is this many times the median of its peers (the same "
             "unit in other layers; all units for a unit without peers) and above cause_suspect is broken. > 1."
         },
     )

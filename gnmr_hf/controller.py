@@ -54,7 +54,7 @@ class HostDecision:
     no_history: np.ndarray | None = None  # units that cannot be scored yet; fetched with to_host(history=True)
     flag: bool | None = None  # the caller's flag, fetched with to_host(flag=...)
     # What the policy reports beyond the recovery set, JSON-safe, written into the trace line as it is (the cause
-    # policy: {"cause": {"why": ..., "severity": ...}}, `gnmr_hf.policies.cause.CausePolicy.host_extras`).
+    # policy: {"cause": {"why": ..., "cheap_loss": ...}}, `gnmr_hf.policies.cause.CausePolicy.host_extras`).
     extras: dict[str, Any] = field(default_factory=dict)
     # Candidates not in `active`: units that asked for recovery and that the budget (`max_active`) left out.
     left_out: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -74,7 +74,7 @@ class Decision:
     Masks are bool [N]: `candidates` asked for recovery, `active` runs in recovery from step `step + 1` on,
     `entered`/`exited` changed; `locks` (int32 [N]) each unit's lock after this step (0 for a policy without
     locks); `has_history` the units whose history allows a score from the next step on (`min_history` valid norms
-    with a positive mean); `extras` what the policy reports per unit (the cause policy: `severity`, `reason`,
+    with a positive mean); `extras` what the policy reports per unit (the cause policy: `cheap_loss`, `reason`,
     `source`). The tensors are never modified afterwards, so a `Decision` stays valid after later steps.
     """
 
@@ -179,7 +179,7 @@ class GNMRController:
     State (`state_dict()`): `norm_sum`, `norm_count` (float64: the history of valid norms), `gnmr_window`
     (float64 [window, N]: the GNMR of the last `window` steps, NaN where a step had no score), and the policy's own
     (the paper's: `locks`, int32, and with `relapse_lock` also `lock_length` and `exited_at`; the cause policy's
-    also `held_fidelity` and `held_at`). `active` is the policy's: for the paper's a unit is in recovery exactly
+    also `held_cheap_loss` and `held_at`). `active` is the policy's: for the paper's a unit is in recovery exactly
     while its lock is > 0.
     """
 
@@ -247,21 +247,21 @@ class GNMRController:
 
     @torch.no_grad()
     def observe(
-        self, norms: torch.Tensor, missing: torch.Tensor | None = None, fidelity: torch.Tensor | None = None
+        self, norms: torch.Tensor, missing: torch.Tensor | None = None, cheap_loss: torch.Tensor | None = None
     ) -> Decision:
         """Score one optimizer step's norms and decide the recovery set for the next step.
 
         Args:
             norms: float tensor [N], the gradient norm of each unit this step (pre-clip, after accumulation).
             missing: optional bool tensor [N], True for units that had no gradient this step.
-            fidelity: optional float tensor [N], what each unit's cheap path lost this step in units of its bound
-                (NaN where unmeasured; `UnitSignals.fidelity`); read by `policy="cause"` only.
+            cheap_loss: optional float tensor [N], what each unit's cheap path lost this step in units of its bound
+                (NaN where unmeasured; `UnitSignals.cheap_loss`); read by `policy="cause"` only.
         """
         self._check_norms(norms, missing)
-        if fidelity is not None and (fidelity.shape != norms.shape or fidelity.device != self.device):
+        if cheap_loss is not None and (cheap_loss.shape != norms.shape or cheap_loss.device != self.device):
             raise ValueError(
-                f"GNMRController.observe: fidelity must be a tensor of shape ({self.num_units},) on {self.device}, "
-                f"got shape {tuple(fidelity.shape)} on {fidelity.device}"
+                f"GNMRController.observe: cheap_loss must be a tensor of shape ({self.num_units},) on {self.device}, "
+                f"got shape {tuple(cheap_loss.shape)} on {cheap_loss.device}"
             )
         cfg = self.config
         t = self.step + 1
@@ -293,7 +293,7 @@ class GNMRController:
         self.norm_count = self.norm_count + valid
         self.gnmr_window[pos] = gnmr
 
-        scores = Scores(t, alpha, beta, n, missing, gnmr, dgnmr, risk, scored, risky, broken, fidelity)
+        scores = Scores(t, alpha, beta, n, missing, gnmr, dgnmr, risk, scored, risky, broken, cheap_loss)
         previous = self.policy.active
         choice = self.policy.step(scores)
         self.step = t

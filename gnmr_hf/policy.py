@@ -1,8 +1,8 @@
 """The policy seam: what chooses the recovery set from one step's scores, and what every policy shares.
 
 The controller (`gnmr_hf.controller`) keeps the history and turns each step's gradient norms into `Scores` (GNMR,
-DGNMR, risk, who is risky, and what each unit's cheap path lost where units measure it). A `Policy` turns those
-into a `Choice`: the units that run on the recovery path from the next step on. The paper's policy
+DGNMR, risk, who is risky, and what each unit's cheap path lost where units measure it: `cheap_loss`). A `Policy`
+turns those into a `Choice`: the units that run on the recovery path from the next step on. The paper's policy
 (`gnmr_hf.policies.paper`), the cause policy (`gnmr_hf.policies.cause`) and the experiment harness's baselines are
 policies; a new one is one subclass and one `register_policy` call, and `GNMRConfig(policy=name,
 policy_options=...)` chooses it, as `GNMRConfig(backend=...)` chooses a backend.
@@ -59,8 +59,8 @@ class Scores:
     `t` is the step (1-based); `alpha`, `beta` its thresholds. `norms` (float64) are the observed norms and `missing`
     (bool or None) the units without a gradient. `gnmr`, `dgnmr` (float64, NaN where unscored), `risk` =
     max(GNMR/alpha, DGNMR/beta) (0 unscored, +inf for a broken norm), `scored`, `risky` (risk > 1 or a broken
-    norm) and `broken` (a present unit whose norm is NaN, inf or negative). `fidelity`: what each unit's cheap path
-    lost this step in units of its bound (NaN where unmeasured), or None when no unit measures.
+    norm) and `broken` (a present unit whose norm is NaN, inf or negative). `cheap_loss`: what each unit's cheap
+    path lost this step in units of its bound (NaN where unmeasured), or None when no unit measures.
     """
 
     t: int
@@ -74,7 +74,7 @@ class Scores:
     scored: torch.Tensor
     risky: torch.Tensor
     broken: torch.Tensor
-    fidelity: torch.Tensor | None = None
+    cheap_loss: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,8 @@ class Policy(ABC):
     (flat tensors, named uniquely: they share the checkpoint with the controller's), restores it in
     `load_state_dict`, and undoes its last step in `revert` (the fp16 loss scaler skipped that step).
 
-    Class attributes: `measures` (the units measure their cheap path's fidelity for it: the callback turns their
-    measuring on), `resumes` (False: a run with it does not resume from a checkpoint; the callback refuses).
+    Class attributes: `measures` (the units measure what their cheap path loses for it: the callback starts their
+    meters), `resumes` (False: a run with it does not resume from a checkpoint; the callback refuses).
     """
 
     name: ClassVar[str] = ""

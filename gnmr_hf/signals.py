@@ -273,7 +273,7 @@ class UnitSignals:
         self._none_missing = torch.zeros(self.num_units, dtype=torch.bool, device=self.device)
         self._model = model
         self._adapters = active_adapters(model) if model is not None else None
-        self.fidelity: torch.Tensor | None = None
+        self.cheap_loss: torch.Tensor | None = None
 
     def check(self) -> None:
         """Raise if the model's active adapters changed since the signals were built: a unit's `lora` signal
@@ -301,29 +301,29 @@ class UnitSignals:
         slots = self._member_slots[key] if len(present) == len(members) else self._grid.slot_tensor(present)
         return self._grid.squares(grads, slots)
 
-    def gather_fidelity(self) -> torch.Tensor | None:
-        """[N] float32 of what each unit's cheap path lost this step (`RecoverableUnit.take_measurements`, turned
-        into losses in one batched pass: `gnmr_hf.fidelity.unit_losses`), NaN where a unit measured nothing; None
-        when no unit did (the paper's policy: nothing is measured). No host sync."""
-        taken = [u.take_measurements() if hasattr(u, "take_measurements") else [] for u in self.units]
+    def gather_cheap_loss(self) -> torch.Tensor | None:
+        """[N] float32 of what each unit's cheap path lost this step, in units of its bound (each unit's
+        `FidelityMeter.take`, turned into losses in one batched pass: `gnmr_hf.fidelity.unit_losses`), NaN where a
+        unit measured nothing; None when no unit did (the paper's policy: nothing is measured). No host sync."""
+        taken = [u.meter.take() if getattr(u, "meter", None) is not None else [] for u in self.units]
         if not any(taken):
             return None
-        fidelity = unit_losses(taken, self.device)
+        loss = unit_losses(taken, self.device)
         if self.dp_group is not None:
             # Each rank measured its own micro-batches: average over the ranks that measured, so that every rank
             # decides the same.
-            seen = ~fidelity.isnan()
-            both = torch.stack([fidelity.nan_to_num(0.0), seen.float()])
+            seen = ~loss.isnan()
+            both = torch.stack([loss.nan_to_num(0.0), seen.float()])
             torch.distributed.all_reduce(both, group=self.dp_group)
-            fidelity = torch.where(both[1] > 0, both[0] / both[1].clamp_min(1.0), torch.nan)
-        return fidelity
+            loss = torch.where(both[1] > 0, both[0] / both[1].clamp_min(1.0), torch.nan)
+        return loss
 
     @torch.no_grad()
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (norms float32 [N], missing bool [N]); norms are NaN where missing. No host sync.
 
-        In the same pass the units' fidelity measurements of the step are gathered into `self.fidelity` ([N],
-        NaN where a unit measured nothing, None when none did)."""
+        In the same pass what the units' cheap paths lost this step is gathered into `self.cheap_loss` ([N], NaN
+        where a unit measured nothing, None when none did: `gather_cheap_loss`)."""
         has_grad = [False] * self.num_units
         sq = self._squares(None, has_grad)
         for key in self._members:
@@ -355,7 +355,7 @@ class UnitSignals:
                     metered.to(self.device, non_blocking=True) & (fired == 0)
                 )
             sq += meter_sq
-        self.fidelity = self.gather_fidelity()
+        self.cheap_loss = self.gather_cheap_loss()
         if missing_mask is None:
             if all(has_grad):
                 return sq.sqrt_(), self._none_missing

@@ -41,7 +41,7 @@ IDEMPOTENT = "enter_recovery() and exit_recovery() must be idempotent"
 COUNTED = "what recovery holds must be counted in the unit's ledger"
 BOUNDED = "what the ledger counts for a unit must be bounded by its recovery_bytes()"
 DROPPED = "exit_recovery() must drop what recovery holds"
-MEASURED = "a unit with a fidelity_bound must report a finite fidelity on both paths while measuring, one without none"
+MEASURED = "a unit with a fidelity_bound must report a finite loss on both paths while measuring, one without none"
 CLOSED = "a closed unit must refuse to enter"
 AS_FOUND = "close() must put the module back as it was found"
 ONE_OWNER = "a module must belong to one open unit, and close_units must close them all"
@@ -112,7 +112,7 @@ def check_backend(
     adds no Parameter or buffer, leaves the optimizer's parameters and state alone and changes no weight; the
     forward and backward work on both paths; enter and exit are idempotent; what a unit holds in recovery (tensors
     on it and its module) is counted in its ledger, the ledger's count is at most `recovery_bytes()`, and exit drops
-    it; under measuring (`policy="cause"`), a unit with a `fidelity_bound` reports a finite fidelity on both paths
+    it; under measuring (`policy="cause"`), a unit with a `fidelity_bound` reports a finite loss on both paths
     and one without reports none; a module belongs to one open unit and `close_units` closes them all; `close()`
     (twice) puts every module back as it was found (forward, hooks, attributes, parameters, the config's attention
     implementation, the loss bit for bit), and a closed unit refuses to enter.
@@ -340,19 +340,19 @@ def _check_ledger(
 
 def _check_measuring(model: nn.Module, units: UnitSet, compute: Callable[[nn.Module], torch.Tensor]) -> None:
     for unit in units:
-        unit.start_measuring()
-        unit.take_fidelity()
+        unit.meter.start()
+        unit.meter.take_loss()
     for path in ("cheap path", "recovery path"):
         if path == "recovery path":
             for unit in units:
                 unit.enter_recovery()
         _run(model, compute, path)
         for unit in units:
-            fidelity = unit.take_fidelity()
+            loss = unit.meter.take_loss()
             if unit.fidelity_bound is None:
-                _check(fidelity is None, MEASURED, f"unit {unit.name!r} reports a fidelity but has no fidelity_bound")
+                _check(loss is None, MEASURED, f"unit {unit.name!r} reports a loss but has no fidelity_bound")
                 continue
-            value = "nothing" if fidelity is None else float(fidelity)
+            value = "nothing" if loss is None else float(loss)
             ok = isinstance(value, float) and math.isfinite(value) and value >= 0
             _check(ok, MEASURED, f"unit {unit.name!r} reports {value} on the {path}")
     for unit in units:

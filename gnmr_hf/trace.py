@@ -41,6 +41,9 @@ logger = logging.getLogger("gnmr_hf")
 TRACE_VERSION = 2
 # Version 1 (gnmr-hf 0.1.0) named two fields after what they were not: they hold a count of scored units and a risk.
 _V1_NAMES = {"n_eligible": "n_scored", "max_score": "max_risk"}
+# The cause policy's traced losses were `cause.severity` before the loss of a cheap path got one name; a resumed run
+# appends today's name to a file that has the old one, so a record is read by the name it holds.
+_OLD_CAUSE_NAMES = {"severity": "cheap_loss"}
 # One compact encoder for every line: `json.dumps(..., separators=...)` would build a new encoder per step.
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
 
@@ -169,8 +172,9 @@ def _is_one_json_document(text: str) -> bool:
 def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Return (header, records) of a trace file: the records are the "step" and "skip" lines, in order.
 
-    A trace of gnmr-hf 0.1.0 (version 1) is read with its fields renamed to today's. Errors are clear: no file,
-    no header, a corrupt line (other than a cut-off last line, which is dropped with a warning).
+    A trace of gnmr-hf 0.1.0 (version 1) is read with its fields renamed to today's, and so is a cause-policy step
+    written as `cause.severity` (now `cause.cheap_loss`). Errors are clear: no file, no header, a corrupt line (other
+    than a cut-off last line, which is dropped with a warning).
     """
     path = Path(path)
     if not path.is_file():
@@ -184,6 +188,9 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[
         elif kind in ("step", "skip"):
             if header is not None and header.get("version") == 1:
                 record = {_V1_NAMES.get(k, k): v for k, v in record.items()}
+            cause = record.get("cause")
+            if isinstance(cause, dict) and not _OLD_CAUSE_NAMES.keys().isdisjoint(cause):
+                record["cause"] = {_OLD_CAUSE_NAMES.get(k, k): v for k, v in cause.items()}
             if not isinstance(record.get("step"), int):
                 raise ValueError(f"read_trace: {path}: record {lineno} has no integer 'step'")
             records.append(record)

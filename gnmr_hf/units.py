@@ -5,15 +5,15 @@ refers to. `RecoverableUnit` owns the rules (enter/exit/close idempotent, a clos
 the recovery path holds counted in the shared `RecoveryLedger`, the signal); a backend subclass fills in what
 differs. `SwitchedUnit` is the template for units that switch their module's forward. `Backend` declares a kind
 of unit once: its name, its options, which modules it takes. `gnmr_hf.registry.find_units` builds the units. Under
-`policy="cause"` a unit also reports its fidelity, what its cheap path loses, through one on-device accumulator
-(`report_fidelity`, or `input_fidelity` for a backend whose rounding happens in a closed kernel).
+`policy="cause"` a unit also reports what its cheap path loses, through its `meter` (a `gnmr_hf.meter.FidelityMeter`:
+when to measure, which rows, what was measured), or through `input_fidelity` for a backend whose rounding happens in
+a closed kernel.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 from torch import nn
 
-from .fidelity import part_device, resolve, spread_rows, unit_losses
+from .meter import FidelityMeter
 from .options import BackendOptions
 from .signals import OutputGradMeter, Signal, resolve_signal
 
@@ -130,23 +130,15 @@ class RecoverableUnit:
 
     Attributes: `name`, `module`, `backend` (its name), `kind`, `options`, `ledger`, `tuner` (the peft layer around
     the module, or None), `signal` (the signal kind: "lora", "weight", "output_grad" or a backend's own),
-    `output_grad` (the `OutputGradMeter` of an output-gradient signal, else None), `closed`.
+    `output_grad` (the `OutputGradMeter` of an output-gradient signal, else None), `meter` (its `FidelityMeter`),
+    `closed`.
     """
 
     closed = False
     _recovering = False
-    # Fidelity (docs/method.md, "The cause policy"): what the cheap path loses, in units of the backend's bound (1 =
-    # broken), reported by the backend with `report_fidelity` where it touches the data, only while `measure_fidelity`
-    # is on (the cause policy turns it on: the paper's policy pays nothing). None: this kind reports nothing.
+    # What this kind's loss measures and against what bound, in words (docs/method.md, "The cause policy"); the loss
+    # itself is reported where the backend touches the data, through `self.meter`. None: this kind reports nothing.
     fidelity_bound: str | None = None
-    measure_fidelity = False
-    # How many rows of each tensor a measurement reads (0: all; `gnmr_hf.fidelity.spread_rows`).
-    fidelity_rows = 0
-    _fidelity_taken: list[list[Any]] | None = None
-    _fidelity_draws = 0
-    _fidelity_step = 0
-    _fidelity_clock: Callable[[], int] | None = None
-    _recovery_every = 1
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         owner = unit_of(module)
@@ -161,6 +153,7 @@ class RecoverableUnit:
         self.options = ctx.options
         self.ledger = ctx.ledger
         self.tuner = ctx.tuner(module)
+        self.meter = FidelityMeter(self, reads_input=type(self).input_fidelity is not RecoverableUnit.input_fidelity)
         signal = self.find_signal(ctx)
         self.signal = signal.kind
         self._signal_tensors = list(signal.tensors)
@@ -182,7 +175,7 @@ class RecoverableUnit:
         """Drop what `_enter` built."""
 
     def _close(self) -> None:
-        """Undo what `__init__` installed on the module besides the owner mark and the meter."""
+        """Undo what `__init__` installed on the module besides the owner mark and the meters."""
 
     def recovery_bytes(self) -> int:
         """Extra bytes the recovery path holds while this unit is in recovery (an upper bound where it varies)."""
@@ -206,114 +199,23 @@ class RecoverableUnit:
         of a backend: the callback logs their counts at train begin and writes them to the trace header."""
         return {"signal": self.signal}
 
-    # ------------------------------------------------------------------ fidelity
-    def report_fidelity(self, *parts: Any) -> None:
-        """Add one measurement of what the cheap path loses: the worst of `parts`, each an operand's sums
-        (`gnmr_hf.fidelity.operand_stats`), probability rows' sums (`row_totals`), a 0-d loss in units of the bound,
-        or a `gnmr_hf.fidelity.Pending` one of these (`fidelity_bound` says what is
-        measured), kept on the device (no sync); the losses are computed for every unit at once when taken. In
-        recovery a backend reports what its cheap path *would* lose on the same data, so that the policy can tell
-        when releasing the unit is safe."""
-        if not parts:
-            raise ValueError(f"{self.backend} unit {self.name!r}: report_fidelity needs at least one part")
-        if self._fidelity_taken is None:
-            self._fidelity_taken = []
-        else:
-            # A `Pending` part holds sampled rows until the step's batched pass; a unit measured again before it (the
-            # next micro-batch under gradient accumulation) finishes the earlier ones now, so that no unit holds
-            # more than one measurement's rows.
-            for earlier in self._fidelity_taken:
-                earlier[:] = map(resolve, earlier)
-        self._fidelity_taken.append(list(parts))
+    # ------------------------------------------------------------------ what a backend measures
+    def input_fidelity(self, x: torch.Tensor) -> Any:
+        """What the cheap path loses on the input `x` of a forward (a part for `FidelityMeter.report`: operand stats
+        or a 0-d loss), for a backend whose cheap path quantizes the input in a kernel we cannot open (bitsandbytes,
+        torchao): measured by emulating that rounding, on both paths, from the meter's forward pre-hook. None (the
+        default): the backend reports from its own code, or nothing."""
+        return None
 
-    def fidelity_state(self) -> dict[str, Any] | None:
+    def meter_state(self) -> dict[str, Any] | None:
         """What this unit's measuring carries from one step to the next and a resume must restore (JSON-safe: the
         callback writes it into the checkpoint with the controller's state), or None: nothing (the default). May
         sync with the device: it is read when a checkpoint is written."""
         return None
 
-    def load_fidelity_state(self, state: dict[str, Any]) -> None:
-        """Restore what `fidelity_state` returned."""
-        raise ValueError(f"{self.backend} unit {self.name!r} keeps no fidelity state, got {state!r}")
-
-    def take_measurements(self) -> list[list[Any]]:
-        """The measurements reported since the last call (lists of parts); resets."""
-        taken, self._fidelity_taken = self._fidelity_taken or [], None
-        return taken
-
-    def take_fidelity(self) -> torch.Tensor | None:
-        """The mean of the measurements since the last call (0-d tensor), or None when there was none; resets.
-        (`UnitSignals.gather_fidelity` takes every unit's at once.)"""
-        taken = self.take_measurements()
-        if not taken:
-            return None
-        return unit_losses([taken], part_device(taken[0][0]))[0]
-
-    @property
-    def measuring(self) -> bool:
-        """Whether a forward or backward running now should measure fidelity (training passes only): every step on
-        the cheap path, every `recovery_every`-th step in recovery (`start_measuring`)."""
-        if not (self.measure_fidelity and torch.is_grad_enabled()):
-            return False
-        return not self._recovering or self.on_phase()
-
-    def on_phase(self, step: int | None = None) -> bool:
-        """Whether optimizer step `step` (default: this one) is one of the unit's every `recovery_every`-th
-        (`start_measuring`): the steps a unit in recovery measures, and those on which a backend measures what
-        changes only by an optimizer step's move (a weight). Always True with `recovery_every` 1 or no clock."""
-        if self._recovery_every == 1 or self._fidelity_clock is None:
-            return True
-        # The step from the clock, so that a resumed run measures on the steps the uninterrupted one did; each unit
-        # at its own phase (from its name: stable across processes), so that units in recovery together take turns.
-        step = self._fidelity_clock() if step is None else step
-        return (step + zlib.crc32(self.name.encode())) % self._recovery_every == 0
-
-    def fidelity_step(self) -> int:
-        """The optimizer step measurements are taken at (the clock `start_measuring` got; 0 without one)."""
-        return 0 if self._fidelity_clock is None else self._fidelity_clock()
-
-    def input_fidelity(self, x: torch.Tensor) -> Any:
-        """What the cheap path loses on the input `x` of a forward (a part for `report_fidelity`: operand stats or a
-        0-d loss), for a backend whose cheap path quantizes the input in a kernel we cannot open (bitsandbytes,
-        torchao): measured by emulating that rounding, on both paths, from a forward pre-hook. None (the default):
-        the backend reports from its own code, or nothing."""
-        return None
-
-    def sample_rows(self, x: torch.Tensor, count: int | None = None) -> torch.Tensor | None:
-        """The rows of `x` (as [-1, x.shape[-1]]) this measurement reads: `count` (default `fidelity_rows`) of them,
-        spread (`gnmr_hf.fidelity.spread_rows`); None: all."""
-        # The rows depend only on the optimizer step and the measurement's place in the unit's step, so that a
-        # resumed run reads the rows the uninterrupted one read, and the units of a step draw the same (one index).
-        step = self.fidelity_step()
-        if step != self._fidelity_step:
-            self._fidelity_step, self._fidelity_draws = step, 0
-        self._fidelity_draws += 1
-        draw = step * 64 + self._fidelity_draws
-        n = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
-        return spread_rows(n, self.fidelity_rows if count is None else count, draw, x.device)
-
-    def start_measuring(self, rows: int = 0, clock: Callable[[], int] | None = None, recovery_every: int = 1) -> None:
-        """Turn fidelity measurement on (the cause policy does, at train begin), reading `rows` rows of each
-        tensor measured (0: all of them); `clock()` gives the optimizer step, which picks the rows and, in recovery,
-        the steps measured: one in `recovery_every` (what the cheap path would lose costs a second rounding, or for
-        attention a second QK^T, that the recovery path does not otherwise pay). Idempotent."""
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-            raise ValueError(f"start_measuring: rows must be an int >= 0 (0: every row), got {rows!r}")
-        if isinstance(recovery_every, bool) or not isinstance(recovery_every, int) or recovery_every < 1:
-            raise ValueError(f"start_measuring: recovery_every must be an int >= 1, got {recovery_every!r}")
-        self.fidelity_rows, self._fidelity_clock, self._recovery_every = rows, clock, recovery_every
-        if self.measure_fidelity or self.closed:
-            return
-        self.measure_fidelity = True
-        if type(self).input_fidelity is not RecoverableUnit.input_fidelity:
-            self._input_hook = self.module.register_forward_pre_hook(self._on_input)
-
-    def _on_input(self, module: nn.Module, args: Any) -> None:
-        if self.measuring and args and isinstance(args[0], torch.Tensor):
-            with torch.no_grad():
-                loss = self.input_fidelity(args[0])
-            if loss is not None:
-                self.report_fidelity(loss)
+    def load_meter_state(self, state: dict[str, Any]) -> None:
+        """Restore what `meter_state` returned."""
+        raise ValueError(f"{self.backend} unit {self.name!r} keeps no meter state, got {state!r}")
 
     # ------------------------------------------------------------------ the contract
     @property
@@ -345,10 +247,7 @@ class RecoverableUnit:
         if self.closed:
             return
         self.exit_recovery()
-        hook = self.__dict__.pop("_input_hook", None)
-        if hook is not None:
-            hook.remove()
-        self.measure_fidelity, self._fidelity_clock = False, None
+        self.meter.stop()
         if self.output_grad is not None:
             self.output_grad.remove()
             self.output_grad = None

@@ -627,12 +627,12 @@ def test_every_unit_of_kinds_all_reports_its_fidelity_on_both_paths(rows):
     units = find_units(model, "act_quant", kinds="all", low_bits=2, high_bits=8)
     ids = torch.randint(0, 64, (2, 16))
     for unit in units:
-        unit.start_measuring(rows)
+        unit.meter.start(rows)
     for recovering in (False, True):
         for unit in units:
             unit.enter_recovery() if recovering else unit.exit_recovery()
         model(input_ids=ids, labels=ids).loss.backward()
-        taken = {u.name: u.take_fidelity() for u in units}
+        taken = {u.name: u.meter.take_loss() for u in units}
         assert all(t is not None and 0 < t.item() < float("inf") for t in taken.values()), taken
     units.close()
 

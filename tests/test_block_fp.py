@@ -304,18 +304,18 @@ def test_an_injected_fault_corrupts_only_the_cheap_paths_input_and_shows_in_its_
     assert torch.equal(grads()[1], run(x, w, b, dy, GemmFormat("e4m3", "fp32"))[2])
     unit.exit_recovery()
 
-    # The fidelity of the faulty copy: past its bound, the same measured on the cheap path and in recovery (the rows
+    # The loss of the faulty copy: past its bound, the same measured on the cheap path and in recovery (the rows
     # rounded apart read the fault where the whole copy does); without the fault, far under it.
-    unit.start_measuring()  # every row: the two measures read the same rows
+    unit.meter.start()  # every row: the two measures read the same rows
     grads()
-    on_cheap = unit.take_fidelity().item()
+    on_cheap = unit.meter.take_loss().item()
     unit.enter_recovery()
     grads()
-    in_recovery = unit.take_fidelity().item()
+    in_recovery = unit.meter.take_loss().item()
     unit.exit_recovery()
     clear_fault(unit)
     grads()
-    clean = unit.take_fidelity().item()
+    clean = unit.meter.take_loss().item()
     assert on_cheap > 1.0 and in_recovery == pytest.approx(on_cheap, rel=1e-5) and clean < 0.2
 
 
@@ -344,20 +344,20 @@ def test_a_fault_on_the_output_gradient_corrupts_only_the_cheap_paths_dgrad_and_
     inject_fault(unit, 30.0, 16, "grad")
     assert unit.low == FaultyGemmFormat("e3m2", "fp32", 30.0, 16, "grad") and unit.high == GemmFormat("e4m3", "fp32")
 
-    def fidelity():
+    def loss():
         model.zero_grad()
         model(x).backward(dy)
-        return unit.take_fidelity().item()
+        return unit.meter.take_loss().item()
 
     # Past its bound on the cheap path and the same measured in recovery (its cheap rounding of the sampled rows
     # reads the fault where the whole copy does); without the fault, far under it.
-    unit.start_measuring()
-    on_cheap = fidelity()
+    unit.meter.start()
+    on_cheap = loss()
     unit.enter_recovery()
-    in_recovery = fidelity()
+    in_recovery = loss()
     unit.exit_recovery()
     clear_fault(unit)
-    assert on_cheap > 1.0 and in_recovery == pytest.approx(on_cheap, rel=1e-5) and fidelity() < 0.2
+    assert on_cheap > 1.0 and in_recovery == pytest.approx(on_cheap, rel=1e-5) and loss() < 0.2
 
 
 def test_a_fault_operand_must_be_the_input_or_the_output_gradient():

@@ -36,6 +36,7 @@ from gnmr_hf.fidelity import (
 from gnmr_hf.policies.cause import UnitRelations
 from gnmr_hf.quant import absmax_rows, quantize_absmax
 from gnmr_hf.signals import UnitSignals
+from gnmr_hf.trace import read_trace
 
 from trainer_utils import make_trainer, steps_of
 
@@ -59,8 +60,10 @@ def controller(names=NAMES, kinds=KINDS, **overrides) -> GNMRController:
     return GNMRController(config, len(names), names=names, kinds=kinds)
 
 
-def step(ctl: GNMRController, norms, fidelity):
-    decision = ctl.observe(torch.tensor(norms, dtype=torch.float64), None, torch.tensor(fidelity, dtype=torch.float32))
+def step(ctl: GNMRController, norms, cheap_loss):
+    decision = ctl.observe(
+        torch.tensor(norms, dtype=torch.float64), None, torch.tensor(cheap_loss, dtype=torch.float32)
+    )
     return decision.to_host(top_k=4)
 
 
@@ -99,20 +102,20 @@ def test_an_act_quant_linear_unit_reports_its_cheap_path_loss_on_both_paths():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16))
     (unit,) = find_units(model, "act_quant", low_bits=2, high_bits=8)
-    unit.start_measuring()
+    unit.meter.start()
     x = torch.randn(8, 16)
     # The relative error only: the saved copy feeds only the weight gradient, which sums over tokens, not rows.
     expected = relative_error(x, SaveSpec(2).restore(*SaveSpec(2).save(x))).item() / 2
     assert expected < SaveSpec(2).loss(x).item()  # the row-sum bias would count here
     model(x).sum().backward()
-    assert unit.take_fidelity().item() == pytest.approx(expected)
+    assert unit.meter.take_loss().item() == pytest.approx(expected)
     unit.enter_recovery()  # recovery saves 8 bits, but what is measured is what the 2-bit cheap path would lose
     model(x).sum().backward()
-    assert unit.take_fidelity().item() == pytest.approx(expected)
-    assert unit.take_fidelity() is None  # taken: reset
+    assert unit.meter.take_loss().item() == pytest.approx(expected)
+    assert unit.meter.take_loss() is None  # taken: reset
     with torch.no_grad():
         model(x)  # evaluation passes measure nothing
-    assert unit.take_fidelity() is None
+    assert unit.meter.take_loss() is None
 
 
 def _small_llama():
@@ -124,19 +127,19 @@ def test_an_attention_unit_reports_how_far_its_recomputed_rows_are_from_summing_
     model = _small_llama()
     units = find_units(model, "act_quant", include=[r"\.self_attn$"], kinds=["attention"], low_bits=16, high_bits=16)
     for unit in units:
-        unit.start_measuring()
+        unit.meter.start()
     model(input_ids=ids, labels=ids).loss.backward()
     # Unquantized q, k, v: the rows sum to 1 up to float32 rounding.
-    assert all(u.take_fidelity().item() < 1e-4 for u in units)
+    assert all(u.meter.take_loss().item() < 1e-4 for u in units)
     # A fault that doubles the saved q (and k, v) of layer 0: the recomputed logits are 4x the exact ones.
     inject_fault(units[0], 2.0)
     model(input_ids=ids, labels=ids).loss.backward()
-    cheap = units[0].take_fidelity().item()
-    assert cheap > 1.0 and units[1].take_fidelity().item() < 1e-4
+    cheap = units[0].meter.take_loss().item()
+    assert cheap > 1.0 and units[1].meter.take_loss().item() < 1e-4
     # In recovery the unit measures the same loss on its (shadow) cheap-path copy of the same forward.
     units[0].enter_recovery()
     model(input_ids=ids, labels=ids).loss.backward()
-    assert units[0].take_fidelity().item() == pytest.approx(cheap, rel=1e-5)
+    assert units[0].meter.take_loss().item() == pytest.approx(cheap, rel=1e-5)
     units.close()
 
 
@@ -145,16 +148,16 @@ def test_a_block_fp_unit_reports_the_bias_of_a_tile_whose_small_entries_flush_to
     with torch.no_grad():
         linear.weight.fill_(6.0)  # FP4 e2m1 represents 6 exactly (one 128x128 block, scale 1)
     (unit,) = find_units(nn.Sequential(linear), "block_fp", low_format="e2m1", high_format="e4m3")
-    unit.start_measuring()
+    unit.meter.start()
     x = torch.full((1, 128), 0.1)
     x[0, 0] = 6.0  # the tile's scale is 1: 0.1 is below half of e2m1's smallest step (0.5) and flushes to 0
     linear(x).sum().backward()  # the output gradient, 1, is exact
     flushed = 127 * 0.1
     expected = max((flushed / (6 + flushed)) / 0.1, relative_error(x, torch.nn.functional.pad(x[:, :1], (0, 127))) / 2)
-    assert unit.take_fidelity().item() == pytest.approx(float(expected), rel=1e-5)
+    assert unit.meter.take_loss().item() == pytest.approx(float(expected), rel=1e-5)
     unit.enter_recovery()  # e4m3 in recovery; the shadow e2m1 copy loses the same
     linear(x).sum().backward()
-    assert unit.take_fidelity().item() == pytest.approx(float(expected), rel=1e-5)
+    assert unit.meter.take_loss().item() == pytest.approx(float(expected), rel=1e-5)
 
 
 def _block_fp_attention(**options):
@@ -169,21 +172,21 @@ def test_block_fp_units_that_read_one_input_measure_it_once_and_report_that_part
     alone = []
     for unit in units:  # each projection measured with the others not measuring: its own parts
         for other in units:
-            other.measure_fidelity = False
-        unit.start_measuring()
+            other.meter.on = False
+        unit.meter.start()
         model(input_ids=ids, labels=ids).loss.backward()
-        alone.append(unit.take_fidelity().item())
+        alone.append(unit.meter.take_loss().item())
     for unit in units:
-        unit.start_measuring()
+        unit.meter.start()
     model(input_ids=ids, labels=ids).loss.backward()
-    (q,), (k,), (v,) = (u.take_measurements() for u in units)
+    (q,), (k,), (v,) = (u.meter.take() for u in units)
     assert q[0] is k[0] is v[0]  # one input part (x, its e2m1 rows), reported by all three
     assert len({id(q[1]), id(k[1]), id(v[1])}) == 3  # each its own weight and output gradient
     assert unit_losses([[q], [k], [v]], "cpu").tolist() == pytest.approx(alone, rel=1e-6)
     # In recovery (e4m3) the shared part still measures what e2m1 would lose on that input.
     units[1].enter_recovery()
     model(input_ids=ids, labels=ids).loss.backward()
-    (q,), (k,), (v,) = (u.take_measurements() for u in units)
+    (q,), (k,), (v,) = (u.meter.take() for u in units)
     assert q[0] is k[0] is v[0]
     assert unit_losses([[q], [k], [v]], "cpu").tolist() == pytest.approx(alone, rel=1e-6)
     units.close()
@@ -194,37 +197,37 @@ def test_a_block_fp_weight_is_measured_on_the_units_phase_steps_and_its_last_mea
     model, units = _block_fp_attention(low_format="e2m1", high_format="e4m3")
     unit = units[0]
     clock = [0]
-    unit.start_measuring(0, clock=lambda: clock[0], recovery_every=3)
+    unit.meter.start(0, clock=lambda: clock[0], recovery_every=3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     weights, losses = [], []
     for step in range(7):
         clock[0] = step
         for _ in range(2):  # two micro-batches: the weight is measured once per step
             model(input_ids=ids, labels=ids).loss.backward()
-        (first, second) = unit.take_measurements()
+        (first, second) = unit.meter.take()
         assert first[1] is second[1]
         weights.append(first[1])
         losses.append(unit_losses([[[first[1]]]], "cpu").item())
         optimizer.step()
         optimizer.zero_grad()
     measured = [step for step in range(7) if step == 0 or weights[step] is not weights[step - 1]]
-    assert measured == [0] + [s for s in range(1, 7) if unit.on_phase(s)]
+    assert measured == [0] + [s for s in range(1, 7) if unit.meter.in_phase(s)]
     assert len(measured) < 7
     for step in range(7):  # between its measures, the last measure's loss is reported
         last = max(m for m in measured if m <= step)
         assert losses[step] == losses[last] and step - last < 3
     # The measure taken on a phase step is the loss of the weight as it is then (moved by the optimizer).
     cheap = unit.low.operand(unit.module.weight.detach(), 1, weight=True)
-    step = next(s for s in range(7, 20) if unit.on_phase(s))
+    step = next(s for s in range(7, 20) if unit.meter.in_phase(s))
     clock[0] = step
     model(input_ids=ids, labels=ids).loss.backward()
-    ((_, weight_part, _),) = unit.take_measurements()
+    ((_, weight_part, _),) = unit.meter.take()
     assert resolve(weight_part).item() == pytest.approx(operand_loss(unit.module.weight, cheap).item(), rel=1e-6)
     # A unit in recovery measures on its phase steps only, its weight fresh each time.
     unit.enter_recovery()
     clock[0] = step + 3
     model(input_ids=ids, labels=ids).loss.backward()
-    ((_, fresh, _),) = unit.take_measurements()
+    ((_, fresh, _),) = unit.meter.take()
     assert fresh is not weight_part
     units.close()
 
@@ -272,37 +275,57 @@ def test_unit_losses_take_each_measurements_worst_part_and_average_a_units_measu
     assert loss_of(operand_stats(a, a_hat, bias=False)).item() == pytest.approx(relative_error(a, a_hat).item() / 2)
 
 
-def test_the_outside_backend_of_the_docs_measures_what_its_cast_loses_on_both_paths():
+def _register_bf16_cast() -> None:
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import bf16_cast_backend  # noqa: F401  (registers bf16_cast)
 
+
+def test_the_outside_backend_of_the_docs_measures_what_its_cast_loses_on_both_paths():
+    _register_bf16_cast()
+
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
     units = find_units(model, "bf16_cast", low_dtype="float16")
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0)) * 1e-5  # below float16's normal range
     expected = operand_loss(x, x.half().float()).item()
     assert expected > 0
-    units[0].start_measuring(0)
+    units[0].meter.start(0)
     for recovering in (False, True):
         if recovering:
             units[0].enter_recovery()
         model(x).sum().backward()
-        assert units[0].take_fidelity().item() == pytest.approx(expected)
+        assert units[0].meter.take_loss().item() == pytest.approx(expected)
     units.close()
+
+
+def test_a_meter_hooks_its_units_input_once_however_often_it_starts_and_close_unhooks_it():
+    _register_bf16_cast()
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    units = find_units(model, "bf16_cast")
+    meter = units[0].meter
+    for _ in range(2):
+        meter.start(0)
+        meter.on = False  # paused, as the oracle's probes pause it, then started again
+    meter.start(0)
+    assert meter.on and len(model[0]._forward_pre_hooks) == 1
+    model(torch.randn(4, 16)).sum().backward()
+    assert len(meter.take()) == 1  # one measurement per forward
+    units.close()
+    assert not meter.on and not model[0]._forward_pre_hooks
 
 
 def test_unit_signals_gather_the_fidelity_in_the_same_pass_as_the_norms():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     units = find_units(model, "act_quant", low_bits=2)
-    units[0].start_measuring()  # only the first unit measures
+    units[0].meter.start()  # only the first unit measures
     signals = UnitSignals(units)
     model(torch.randn(3, 4)).sum().backward()
     signals.compute()
-    assert signals.fidelity is not None and signals.fidelity[0] > 0 and signals.fidelity[1].isnan()
+    assert signals.cheap_loss is not None and signals.cheap_loss[0] > 0 and signals.cheap_loss[1].isnan()
     signals.compute()
-    assert signals.fidelity is None  # nothing measured since
+    assert signals.cheap_loss is None  # nothing measured since
 
 
 # ------------------------------------------------------------------------------------ measuring a sample of rows
@@ -404,10 +427,10 @@ def test_a_unit_holds_the_rows_of_one_pending_measurement_at_most():
     unit = find_units(nn.Sequential(nn.Linear(4, 4)), "act_quant", low_bits=4)[0]
     first = Pending(lambda key, rows: rows.sum(dim=(1, 2)), None, torch.ones(2, 2))
     second = Pending(lambda key, rows: rows.sum(dim=(1, 2)), None, torch.ones(3, 2))
-    unit.report_fidelity(first)
-    unit.report_fidelity(second)  # the next micro-batch: the first is finished now, its rows let go
+    unit.meter.report(first)
+    unit.meter.report(second)  # the next micro-batch: the first is finished now, its rows let go
     assert first.tensors == () and second.tensors != ()
-    assert unit.take_fidelity().item() == pytest.approx((4.0 + 6.0) / 2)
+    assert unit.meter.take_loss().item() == pytest.approx((4.0 + 6.0) / 2)
 
 
 @pytest.mark.parametrize(
@@ -447,7 +470,7 @@ def test_a_save_specs_rounded_copy_is_its_saved_copy():
         assert torch.equal(spec.rounded_copy(x), spec.restore(*spec.save(x)))
 
 
-# Backends whose fidelity signal runs on a CPU in a small LLaMA: (backend, options, include).
+# Backends whose fidelity measure runs on a CPU in a small LLaMA: (backend, options, include).
 MEASURING_BACKENDS = [
     ("act_quant", {"kinds": ["linear", "attention"], "low_bits": 3}, [r"_proj$", r"\.self_attn$"]),
     ("block_fp", {"low_format": "e2m1", "high_format": "e4m3"}, [r"_proj$"]),
@@ -456,9 +479,9 @@ MEASURING_BACKENDS = [
 
 def _measured(model, units, rows: int, ids) -> list[float]:
     for unit in units:
-        unit.start_measuring(rows)
+        unit.meter.start(rows)
     model(input_ids=ids, labels=ids).loss.backward()
-    return [u.take_fidelity().item() for u in units]
+    return [u.meter.take_loss().item() for u in units]
 
 
 @pytest.mark.parametrize("backend, options, include", MEASURING_BACKENDS)
@@ -502,14 +525,14 @@ def test_fidelity_is_measured_alike_under_activation_checkpointing_and_with_bf16
             model.gradient_checkpointing_enable({"use_reentrant": setup.endswith("reentrant")})
         units = find_units(model, backend, include=include, **options)
         for unit in units:
-            unit.start_measuring(0)  # every row: the setups must measure the same data
+            unit.meter.start(0)  # every row: the setups must measure the same data
         calls = []
         hook = model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda *_: calls.append(1))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup == "bf16"):
             model(input_ids=ids, labels=ids).loss.backward()
         hook.remove()
         assert len(calls) == (2 if setup.startswith("checkpointing") else 1), setup  # the layer ran again
-        losses = [u.take_fidelity() for u in units]
+        losses = [u.meter.take_loss() for u in units]
         units.close()
         assert all(loss is not None for loss in losses), setup
         return [loss.item() for loss in losses]
@@ -526,10 +549,10 @@ def test_fidelity_is_measured_alike_under_activation_checkpointing_and_with_bf16
 def test_the_callback_measures_the_configured_rows():
     model = nn.Sequential(nn.Linear(4, 4))
     units = find_units(model, "act_quant", low_bits=2)
-    units[0].start_measuring(GNMRConfig().cause_fidelity_rows)
-    assert units[0].fidelity_rows == 256
+    units[0].meter.start(GNMRConfig().cause_fidelity_rows)
+    assert units[0].meter.max_rows == 256
     with pytest.raises(ValueError, match="rows must be an int >= 0"):
-        units[0].start_measuring(-1)
+        units[0].meter.start(-1)
     with pytest.raises(ValueError, match="cause_fidelity_rows must be an int >= 0"):
         GNMRConfig(cause_fidelity_rows=-2)
 
@@ -657,7 +680,7 @@ def test_a_unit_in_recovery_is_held_and_released_on_its_last_measure_between_mea
     # step: the lock (3) counts down from the first healthy measure, 2 more steps in recovery, then out.
     assert in_recovery == [True] * 8 + [False] * 4
     # The last measure stands in the trace's severities and in the ranking, not a missing one.
-    assert hosts[1].extras["cause"]["severity"][0] == [7, pytest.approx(1.8)]
+    assert hosts[1].extras["cause"]["cheap_loss"][0] == [7, pytest.approx(1.8)]
     assert hosts[1].extras["cause"]["why"] == [[7, "broken", -1]]  # as when it measured 1.8 that step
 
 
@@ -676,30 +699,46 @@ def test_held_measures_resume_and_revert_exactly():
     g = torch.Generator().manual_seed(5)
     stream = []
     for t in range(30):
-        fidelity = (0.9 * torch.rand(8, generator=g) ** 2).tolist()
+        loss = (0.9 * torch.rand(8, generator=g) ** 2).tolist()
         if t % 3:
-            fidelity[7] = nan  # measures one step in three
+            loss[7] = nan  # measures one step in three
         if 4 <= t < 12:
-            fidelity[7] = 2.0 if t % 3 == 0 else nan
-        stream.append(((1.0 + torch.rand(8, generator=g)).tolist(), fidelity))
+            loss[7] = 2.0 if t % 3 == 0 else nan
+        stream.append(((1.0 + torch.rand(8, generator=g)).tolist(), loss))
     whole = [tuple(step(ctl, *row).active) for ctl in [controller()] for row in stream]
     first = controller()
     head = [tuple(step(first, *row).active) for row in stream[:10]]
-    assert not math.isnan(first.state_dict()["held_fidelity"][7])
+    assert not math.isnan(first.state_dict()["held_cheap_loss"][7])
     resumed = controller()
     resumed.load_state_dict(json.loads(json.dumps(first.json_state())))
     assert head + [tuple(step(resumed, *row).active) for row in stream[10:]] == whole
     # revert() puts the held measures back with the rest of the step.
-    before = first.policy.held_fidelity.clone()
+    before = first.policy.held_cheap_loss.clone()
     step(first, *stream[10])
     first.revert()
-    assert torch.equal(first.policy.held_fidelity.nan_to_num(-1.0), before.nan_to_num(-1.0))
+    assert torch.equal(first.policy.held_cheap_loss.nan_to_num(-1.0), before.nan_to_num(-1.0))
     # A state saved without them (another policy, an older version) loads with none held.
     state = first.state_dict()
-    del state["held_fidelity"], state["held_at"]
+    del state["held_cheap_loss"], state["held_at"]
     again = controller()
     again.load_state_dict(state)
-    assert again.policy.held_fidelity.isnan().all()
+    assert again.policy.held_cheap_loss.isnan().all()
+
+
+def test_held_measures_saved_under_their_old_name_resume():
+    # A checkpoint written before the loss had one name holds the held measures as `held_fidelity`.
+    stream = [([1.0] * 8, [0.2] * 7 + [1.8])] * 3 + [([1.0] * 8, [0.2] * 7 + [math.nan])] * 3
+    first = controller()
+    for row in stream[:3]:
+        step(first, *row)
+    state = json.loads(json.dumps(first.json_state()))
+    state["held_fidelity"] = state.pop("held_cheap_loss")
+    resumed = controller()
+    resumed.load_state_dict(state)
+    assert resumed.policy.held_cheap_loss[7].item() == pytest.approx(1.8)
+    assert [step(resumed, *row).active.tolist() for row in stream[3:]] == [
+        step(first, *row).active.tolist() for row in stream[3:]
+    ]
 
 
 def test_a_unit_in_recovery_measures_one_step_in_recovery_every_at_its_own_phase():
@@ -707,7 +746,7 @@ def test_a_unit_in_recovery_measures_one_step_in_recovery_every_at_its_own_phase
     units = find_units(model, "act_quant", low_bits=4)
     clock = {"step": 0}
     for unit in units:
-        unit.start_measuring(0, clock=lambda: clock["step"], recovery_every=3)
+        unit.meter.start(0, clock=lambda: clock["step"], recovery_every=3)
     units[0].enter_recovery()
     x = torch.randn(4, 8)
     measured = {u.name: [] for u in units}
@@ -715,12 +754,12 @@ def test_a_unit_in_recovery_measures_one_step_in_recovery_every_at_its_own_phase
         clock["step"] = t
         model(x).sum().backward()
         for unit in units:
-            measured[unit.name].append(unit.take_fidelity() is not None)
+            measured[unit.name].append(unit.meter.take_loss() is not None)
     assert all(measured[units[1].name])  # on the cheap path: every step
     in_recovery = measured[units[0].name]
     assert sum(in_recovery) == 3 and in_recovery[:3].count(True) == 1 and in_recovery[:3] == in_recovery[3:6]
     with pytest.raises(ValueError, match="recovery_every must be an int >= 1"):
-        units[0].start_measuring(0, recovery_every=0)
+        units[0].meter.start(0, recovery_every=0)
 
 
 def test_a_unit_that_relapses_is_held_twice_as_long():
@@ -740,8 +779,8 @@ def test_gradient_noise_alone_spends_nothing():
     hosts = []
     for _ in range(300):
         norms = (1.0 + 3.0 * torch.rand(8, generator=g) ** 8).tolist()  # occasional x2-4 spikes
-        fidelity = (0.1 + 0.2 * torch.rand(8, generator=g)).tolist()
-        hosts.append(step(ctl, norms, fidelity))
+        loss = (0.1 + 0.2 * torch.rand(8, generator=g)).tolist()
+        hosts.append(step(ctl, norms, loss))
     assert sum(len(h.risky) for h in hosts) > 20
     assert sum(len(h.active) for h in hosts) == 0
 
@@ -865,7 +904,7 @@ def test_resume_with_the_cause_policy_gives_identical_decisions(
     make_trainer(tiny_llama_dir, dataset, full, gnmr=config, max_steps=10, spike_step=4).train()
     reference = steps_of(full)
     assert all("cause" in r for r in reference)  # the bnb_int8 units measure their inputs
-    assert len({json.dumps(r["cause"]["severity"]) for r in reference}) > 1  # measured anew each step
+    assert len({json.dumps(r["cause"]["cheap_loss"]) for r in reference}) > 1  # measured anew each step
     run = tmp_path / "run"
     make_trainer(
         tiny_llama_dir, dataset, run, gnmr=config, max_steps=10, spike_step=4, save_strategy="steps", save_steps=5
@@ -927,7 +966,7 @@ def test_a_block_fp_run_resumes_with_its_held_weight_measures(tmp_path, restore_
         restore_callback_states_from_checkpoint=restore_callback_states,
     )  # fmt: skip
     assert steps_of(run)[5:] == reference[5:]
-    # A checkpoint whose fidelity state names a unit the model does not have is refused, naming the unit.
+    # A checkpoint whose meter state names a unit the model does not have is refused, naming the unit.
     state_file = run / "checkpoint-5" / "trainer_state.json"
     edited = json.loads(state_file.read_text())
     attributes = edited["stateful_callbacks"]["GNMRCallback"]["attributes"]
@@ -937,14 +976,16 @@ def test_a_block_fp_run_resumes_with_its_held_weight_measures(tmp_path, restore_
         train(run, resume=str(run / "checkpoint-5"))
     (unit,) = find_units(nn.Sequential(nn.Linear(4, 4)), "block_fp")
     with pytest.raises(ValueError, match="needs an int 'weight_measured_at'"):
-        unit.load_fidelity_state({"weight_loss": 0.1})
+        unit.load_meter_state({"weight_loss": 0.1})
     (other,) = find_units(nn.Sequential(nn.Linear(4, 4)), "act_quant")
-    with pytest.raises(ValueError, match="keeps no fidelity state"):
-        other.load_fidelity_state({"weight_loss": 0.1})
+    with pytest.raises(ValueError, match="keeps no meter state"):
+        other.load_meter_state({"weight_loss": 0.1})
 
 
 # ----------------------------------------------------------------------------------------------------- advise
 
+# Written as traces were before the cause policy's loss had one name (`cause.severity`, now `cause.cheap_loss`): a
+# trace is a record users keep, and it still reads.
 TRACE = [
     {
         "type": "header",
@@ -977,8 +1018,8 @@ TRACE = [
 ADVICE = """\
 GNMR advice: 3 act_quant units, 4 steps
 units the run needed persistently (1):
-  model.layers.0.self_attn: 3/4 steps recovered (75%), first at step 2, 1 entries; why: cause x1; median fidelity \
-0.8; symptoms in: model.layers.0.self_attn.q_proj x1
+  model.layers.0.self_attn: 3/4 steps recovered (75%), first at step 2, 1 entries; why: cause x1; median loss 0.8; \
+symptoms in: model.layers.0.self_attn.q_proj x1
 
 # gnmr_hf (GNMRConfig / find_units): keep these off the managed cheap path
 exclude = ['^model\\\\.layers\\\\.0\\\\.self_attn$']
@@ -1010,6 +1051,19 @@ def test_advise_prints_the_persistent_units_as_a_carve_out_with_evidence_and_pre
     assert capsys.readouterr().out == ADVICE
 
 
+def test_a_trace_reads_the_same_with_the_old_name_of_the_loss_todays_or_both(trace, tmp_path, capsys):
+    renamed = [r | {"cause": {"why": r["cause"]["why"], "cheap_loss": r["cause"]["severity"]}} for r in TRACE[1:]]
+    # Today's name, and a resumed run's file: the old name up to the checkpoint, today's after it.
+    for steps in (renamed, TRACE[1:3] + renamed[2:]):
+        path = tmp_path / "today" / "gnmr_trace.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in [TRACE[0], *steps]))
+        assert read_trace(path) == read_trace(trace)
+        assert all(set(r["cause"]) == {"why", "cheap_loss"} for r in read_trace(path)[1])
+        assert cli_main(["advise", str(path)]) == 0
+        assert capsys.readouterr().out == ADVICE
+
+
 def test_advise_lists_units_broken_persistently_that_the_budget_could_not_hold(tmp_path, capsys):
     # max_active=1: unit 0 is held; unit 1 is past its bound at every step from step 2 and never held; unit 2 is
     # healthy; unit 3 is past its bound at one step of four (not persistently).
@@ -1021,7 +1075,7 @@ def test_advise_lists_units_broken_persistently_that_the_budget_could_not_hold(t
             "risky": [], "n_scored": 4, "n_candidates": 2, "max_risk": 1.0, "top": [], "alpha": 3.0, "beta": 3.0,
             "cause": {
                 "why": [[0, "broken", -1]],
-                "severity": [[0, 3.0], [1, 1.5 if s >= 2 else 0.4], [2, 0.1], [3, 1.2 if s == 3 else 0.3]],
+                "cheap_loss": [[0, 3.0], [1, 1.5 if s >= 2 else 0.4], [2, 0.1], [3, 1.2 if s == 3 else 0.3]],
             },
         }
         for s in range(1, 6)
@@ -1032,7 +1086,7 @@ def test_advise_lists_units_broken_persistently_that_the_budget_could_not_hold(t
     out = capsys.readouterr().out
     assert "units broken persistently that the run did not hold (1; the budget, max_active=1, was full):" in out
     assert (
-        "  model.layers.1.self_attn: fidelity past its bound at 4 steps from step 2 on, median 1.5 over the 5 steps "
+        "  model.layers.1.self_attn: loss past its bound at 4 steps from step 2 on, median 1.5 over the 5 steps "
         "traced; 0 steps recovered" in out
     )
     assert "llm_int8_skip_modules = ['model.layers.0.self_attn', 'model.layers.1.self_attn']" in out

@@ -134,10 +134,10 @@ def test_a_unit_with_a_fidelity_bound_must_report_and_may_report_a_0d_loss():
     from gnmr_hf import find_units
 
     units = find_units(model, _backend(ReportsALoss))
-    units[0].start_measuring()
+    units[0].meter.start()
     ids = torch.zeros(1, 4, dtype=torch.long)
     model(input_ids=ids).logits.sum().backward()
-    assert units[0].take_fidelity().item() == 0.25
+    assert units[0].meter.take_loss().item() == 0.25
     units.close()
 
 

@@ -64,9 +64,10 @@ def test_ddp_ranks_read_the_same_norms_and_take_the_same_decisions(tiny_llama_di
         assert step_6["entered"] and not any(r["entered"] for r in zero["records"][:5])
     # The meters mode really scores units on output gradients each rank metered on its own data.
     assert "output_grad" in ranks(tmp_path, "meters_")[0]["signals"]
-    # policy="cause": each rank measured fidelity on its own data; the averaged vector and the decisions agree.
+    # policy="cause": each rank measured its cheap paths' loss on its own data; the averaged vector and the decisions
+    # agree.
     zero, one = ranks(tmp_path, "cause_")
-    assert all("fidelity" in r for r in zero["records"]) and zero["records"] == one["records"]
+    assert all("cheap_loss" in r for r in zero["records"]) and zero["records"] == one["records"]
     assert zero["records"][5]["entered"]
 
 
@@ -88,15 +89,15 @@ def test_fsdp2_sharded_norms_equal_the_unsharded_norms_and_ranks_agree(tmp_path,
 @pytest.mark.parametrize("backend", ["act_quant", "block_fp"])
 def test_fsdp2_cause_policy_reads_the_fidelity_of_the_unsharded_model_and_ranks_agree(tmp_path, backend):
     # FSDP2 frees each layer's gathered weights after its forward, while block_fp's weight measure is finished at the
-    # end of the step: the fidelity GNMR reads at the first step must still be the unsharded model's on the same
+    # end of the step: the loss GNMR reads at the first step must still be the unsharded model's on the same
     # batches (averaged over the ranks), exactly.
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     port = ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     launch([*torchrun, *port, str(WORKERS / "fsdp2_worker.py"), str(tmp_path), backend, "cause"])
     zero, one = ranks(tmp_path)
     assert zero["sharded"] and zero["records"] == one["records"]
-    assert all(len(r["fidelity"]) == 14 and all(0 < f < 1 for f in r["fidelity"]) for r in zero["records"])
-    assert zero["records"][0]["fidelity"] == zero["reference_fidelity"] == one["reference_fidelity"]
+    assert all(len(r["cheap_loss"]) == 14 and all(0 < f < 1 for f in r["cheap_loss"]) for r in zero["records"])
+    assert zero["records"][0]["cheap_loss"] == zero["reference_cheap_loss"] == one["reference_cheap_loss"]
     # The x50 output-gradient spike at step 6 is a symptom whose family loses nothing suspect: noise, no entry.
     assert not any(r["entered"] for r in zero["records"])
 

@@ -65,15 +65,15 @@ def test_probing_leaves_paths_gradients_measuring_and_the_ledger_peak_as_they_we
     model = Toy()
     units = find_units(model, "act_quant", low_bits=2, high_bits=8)
     units[1].enter_recovery()
-    units[0].start_measuring(0)
+    units[0].meter.start(0)
     model(**toy_batch()).loss.backward()
-    units[0].take_measurements()
+    units[0].meter.take()
     grads = [p.grad.clone() for p in model.parameters()]
     peak = units[0].ledger.peak_bytes
     probe(model, units, toy_batch())
     assert [u.in_recovery for u in units] == [False, True]
-    assert [u.measure_fidelity for u in units] == [True, False]
-    assert units[0].take_measurements() == []  # the probe's passes measured nothing
+    assert [u.meter.on for u in units] == [True, False]
+    assert units[0].meter.take() == []  # the probe's passes measured nothing
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     assert units[0].ledger.peak_bytes == peak
 

@@ -1,6 +1,6 @@
 """Every boundary of the two policies and of `gnmr-hf advise`, pinned to its exact decision sequence: the budget of
 the cause policy, its incumbent factor, the relapse window of both policies, how long a measure stands in recovery,
-a fidelity exactly at each of its bounds, and advise's `min_share`. Each test fails when its boundary moves by one
+a loss exactly at each of its bounds, and advise's `min_share`. Each test fails when its boundary moves by one
 step or one comparison (`>` for `>=`, `<` for `<=`)."""
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ def cause_controller(names=NAMES, kinds=KINDS, **overrides) -> GNMRController:
 
 
 def run(ctl: GNMRController, stream, norms=None) -> list:
-    """Feed (fidelity per unit) rows, flat norms unless given; the host decisions."""
+    """Feed (cheap-path loss per unit) rows, flat norms unless given; the host decisions."""
     hosts = []
-    for t, fidelity in enumerate(stream):
+    for t, loss in enumerate(stream):
         n = norms[t] if norms is not None else [1.0] * ctl.num_units
-        decision = ctl.observe(torch.tensor(n, dtype=torch.float64), None, torch.tensor(fidelity, dtype=torch.float32))
+        decision = ctl.observe(torch.tensor(n, dtype=torch.float64), None, torch.tensor(loss, dtype=torch.float32))
         hosts.append(decision.to_host(top_k=4))
     return hosts
 
@@ -55,7 +55,7 @@ def losses(base: float = HEALTHY, **at: float) -> list[float]:
 
 
 def above(x: float) -> float:
-    """The next float32 above x: the smallest fidelity past a bound x."""
+    """The next float32 above x: the smallest loss past a bound x."""
     return float(np.nextafter(np.float32(x), np.float32(np.inf)))
 
 
@@ -143,8 +143,8 @@ def test_a_measure_stands_in_recovery_for_recovery_every_steps_from_the_step_it_
 
 def _locks_of(ctl: GNMRController, stream, unit: int) -> list[int]:
     out = []
-    for fidelity in stream:
-        d = ctl.observe(torch.ones(ctl.num_units, dtype=torch.float64), None, torch.tensor(fidelity))
+    for loss in stream:
+        d = ctl.observe(torch.ones(ctl.num_units, dtype=torch.float64), None, torch.tensor(loss))
         out.append(int(d.locks[unit]))
     return out
 

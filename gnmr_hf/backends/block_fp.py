@@ -145,7 +145,7 @@ def _forward_probe(
     weight: torch.Tensor, wq: torch.Tensor,
 ) -> tuple[Any, ...]:  # fmt: skip
     unit, cheap, cache = probe
-    rows = unit.sample_rows(x2)
+    rows = unit.meter.rows(x2)
     # The units of a step draw the same rows (one index tensor, compared by identity).
     key = ("input", cheap, rows, x._version)
     x_part = cache.get(x, key)
@@ -163,7 +163,7 @@ def _backward_probe(probe: tuple[Any, ...], fmt: GemmFormat, g2: torch.Tensor, g
     unit, cheap, rows, forward_parts = probe
     g_rows = take_rows(g2, rows)
     cheap_g = take_rows(gq, rows) if cheap == fmt else cheap.grad_rows(g_rows, rows)
-    unit.report_fidelity(*forward_parts, pending_operand(g_rows, cheap_g))
+    unit.meter.report(*forward_parts, pending_operand(g_rows, cheap_g))
 
 
 def block_fp_linear(
@@ -171,7 +171,7 @@ def block_fp_linear(
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with every GEMM input, forward and backward, rounded as `fmt` says. Under
     autocast the output has autocast's dtype (as `nn.Linear`'s would), but the emulated GEMMs stay float32.
-    `probe`: (unit, cheap format), for the unit to report the fidelity of the cheap format on these operands."""
+    `probe`: (unit, cheap format), for the unit to report the loss of the cheap format on these operands."""
     device = x.device.type
     out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     with torch.autocast(device, enabled=False):
@@ -226,7 +226,7 @@ class BlockFPOptions(SignalOptions):
 class BlockFPUnit(SwitchedUnit):
     """One `nn.Linear` whose GEMMs run on `low_format` (cheap) or `high_format` (recovery). Build it with
     `find_units(model, "block_fp")`, not directly. `low` and `high` are the two paths' `GemmFormat`s; an
-    experiment may replace `low` (the cheap path's fidelity is measured on it on both paths)."""
+    experiment may replace `low` (what the cheap path loses is measured on it on both paths)."""
 
     options: BlockFPOptions
     fidelity_bound = (
@@ -246,25 +246,25 @@ class BlockFPUnit(SwitchedUnit):
         return {**super().describe(), "formats": f"{self.low.fmt}/{self.high.fmt}", "scaling": self.low.scaling}
 
     def weight_part(self, weight: torch.Tensor, cheap_wq: torch.Tensor | None) -> Any:
-        """The fidelity part of the weight on the cheap path (`cheap_wq`: its cheap rounding where the forward has
-        it), measured on this unit's every `recovery_every`-th step (`on_phase`) and reported again on the steps
+        """The measured part of the weight on the cheap path (`cheap_wq`: its cheap rounding where the forward has
+        it), measured on this unit's every `recovery_every`-th step (`meter.in_phase`) and reported again on the steps
         between, up to `recovery_every - 1` steps old.
 
         Why: the weight is a parameter, so its rounding changes only by what the optimizer moves it between steps
         (about `lr` of it), while reading it whole costs more than the unit's per-token operands together on a
         small model (docs/method.md, "The cause policy"). A unit in recovery measures on exactly these steps, so its
         weight part is always fresh. Within one step (micro-batches) the weight is measured once."""
-        step, held = self.fidelity_step(), self._weight_held
+        step, held = self.meter.step, self._weight_held
         if held is not None:
             age = step - held[0]
-            if age == 0 or (0 < age < self._recovery_every and not self.on_phase(step)):
+            if age == 0 or (0 < age < self.meter.recovery_every and not self.meter.in_phase(step)):
                 return held[1]
         wq = self.low.operand(weight, 1, weight=True) if cheap_wq is None else cheap_wq
         part = pending_operand(weight, wq)
         self._weight_held = (step, part)
         return part
 
-    def fidelity_state(self) -> dict[str, Any] | None:
+    def meter_state(self) -> dict[str, Any] | None:
         # The held weight measure: a resumed run reports it on the steps the uninterrupted run did (exactly: a
         # float32 loss survives JSON's float64).
         if self._weight_held is None:
@@ -272,12 +272,12 @@ class BlockFPUnit(SwitchedUnit):
         step, part = self._weight_held
         return {"weight_measured_at": step, "weight_loss": float(resolve(part))}
 
-    def load_fidelity_state(self, state: dict[str, Any]) -> None:
+    def load_meter_state(self, state: dict[str, Any]) -> None:
         try:
             step, loss = int(state["weight_measured_at"]), float(state["weight_loss"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
-                f"block_fp unit {self.name!r}: a fidelity state needs an int 'weight_measured_at' and a float "
+                f"block_fp unit {self.name!r}: a meter state needs an int 'weight_measured_at' and a float "
                 f"'weight_loss', got {state!r}"
             ) from e
         loss_tensor = torch.tensor(loss, dtype=torch.float32, device=self.module.weight.device)
@@ -293,7 +293,7 @@ class BlockFPUnit(SwitchedUnit):
         m = self.module
         if not m.training and not self.options.quantize_eval:
             return F.linear(x, m.weight, m.bias)
-        probe = (self, self.low, self._cache) if self.measuring else None
+        probe = (self, self.low, self._cache) if self.meter.due else None
         return block_fp_linear(x, m.weight, m.bias, fmt, probe)
 
 

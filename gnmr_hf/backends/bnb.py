@@ -152,7 +152,7 @@ class BnbInt8Unit(BnbUnit):
 
     def input_fidelity(self, x: torch.Tensor) -> OperandStats:
         threshold = float(getattr(self.module.state, "threshold", 0.0) or 0.0)
-        return int8_input_stats(x, threshold, self.sample_rows(x))
+        return int8_input_stats(x, threshold, self.meter.rows(x))
 
     @staticmethod
     def _unsupported(module: nn.Module) -> str | None:

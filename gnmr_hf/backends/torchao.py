@@ -42,7 +42,7 @@ class Float8Unit(SwitchedUnit):
 
     def input_fidelity(self, x: torch.Tensor) -> OperandStats:
         rowwise = "AXISWISE" in str(getattr(self.module.config.cast_config_input, "scaling_granularity", ""))
-        return float8_input_stats(x, rowwise, self.sample_rows(x))
+        return float8_input_stats(x, rowwise, self.meter.rows(x))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "emulate": bool(self.module.config.emulate)}

@@ -67,12 +67,12 @@ def _gradients(model: nn.Module, batch: dict[str, torch.Tensor], tensors: list[t
 
 @contextlib.contextmanager
 def _probing(units: Sequence[RecoverableUnit]) -> Iterator[None]:
-    """Extra passes that are not training steps: random state forked, saved-tensor hooks masked, fidelity
-    measurements paused (policy="cause"); every unit's path, measuring and ledger peak restored afterwards."""
+    """Extra passes that are not training steps: random state forked, saved-tensor hooks masked, meters paused
+    (policy="cause"); every unit's path, meter and ledger peak restored afterwards."""
     was_recovering = [u.in_recovery for u in units]
-    was_measuring = [u.measure_fidelity for u in units]
+    was_measuring = [u.meter.on for u in units]
     for unit in units:
-        unit.measure_fidelity = False
+        unit.meter.on = False
     ledgers = {id(u.ledger): (u.ledger, u.ledger.peak_bytes) for u in units}
     try:
         with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
@@ -86,7 +86,7 @@ def _probing(units: Sequence[RecoverableUnit]) -> Iterator[None]:
         for ledger, peak in ledgers.values():
             ledger.peak_bytes = peak
         for unit, measuring in zip(units, was_measuring, strict=True):
-            unit.measure_fidelity = measuring
+            unit.meter.on = measuring
 
 
 def _set_paths(units: Sequence[RecoverableUnit], high: Sequence[bool]) -> None:
@@ -200,8 +200,8 @@ class OracleCallback(TrainerCallback):
         risk = [0.0] * len(self.owner.units)
         decision = self.owner.last_decision
         if decision is not None and "cause" in decision.extras:
-            # The cause policy ranks by fidelity (what the cheap path loses), not by GNMR's risk.
-            for i, r in decision.extras["cause"]["severity"]:
+            # The cause policy ranks by what the cheap path loses, not by GNMR's risk.
+            for i, r in decision.extras["cause"]["cheap_loss"]:
                 risk[i] = r
         elif decision is not None:
             for i, r in zip(decision.top_units.tolist(), decision.top_risks.tolist(), strict=True):

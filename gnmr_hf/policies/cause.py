@@ -1,17 +1,17 @@
 """The cause policy (`GNMRConfig(policy="cause")`): spend the budget where the cheap path loses, not where it shows.
 
-Beside the paper's per-unit gradient scores the controller gets each unit's *fidelity* (what its cheap path loses
+Beside the paper's per-unit gradient scores the controller gets each unit's *cheap loss* (what its cheap path loses
 this step, in units of its backend's bound; `gnmr_hf.fidelity`) and the units' relations (`UnitRelations`: families
 of units that share a gradient path, peers that are the same unit in other layers). `CausePolicy` then recovers:
 
-- a unit whose fidelity is past its bound, or far past its peers' (all units' for a unit without peers): broken,
+- a unit whose loss is past its bound, or far past its peers' (all units' for a unit without peers): broken,
   with or without a symptom (a unit broken from the start never deviates from its own past, so the paper's scores
   never see it);
 - for a gradient-side symptom (GNMR or DGNMR over its threshold), the unit of the symptom's family whose cheap path
   loses the most, if it loses enough to be suspect; a symptom with no suspect in its family is noise and spends
-  nothing; a unit that measures nothing (a backend without a fidelity signal) falls back to the paper's rule;
+  nothing; a unit that measures nothing (a backend without a fidelity measure) falls back to the paper's rule;
 
-and holds a recovered unit while its fidelity (measured on its cheap path's rounding even in recovery) stays suspect,
+and holds a recovered unit while its loss (measured on its cheap path's rounding even in recovery) stays suspect,
 releasing it `lock_length` healthy steps after; a unit that relapses within `lock_steps` of leaving gets twice its
 last lock (up to `relapse_lock_cap`). Every decision and why: docs/method.md, "The cause policy". Pure torch, no host
 sync, a fixed number of ops per step.
@@ -36,7 +36,7 @@ __all__ = ["REASONS", "CausePolicy", "UnitRelations"]
 REASONS = ("", "broken", "peer", "cause", "symptom", "held", "countdown")
 _BROKEN, _PEER, _CAUSE, _SYMPTOM, _HELD, _COUNTDOWN = range(1, 7)
 # An active unit's ranking key is multiplied by this: a newcomer must lose clearly more to take its place, so units of
-# similar fidelity do not swap places every step.
+# similar loss do not swap places every step.
 _INCUMBENT = 1.25
 _MIN_PEERS = 3
 _LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
@@ -119,8 +119,8 @@ def _per_family(values: torch.Tensor, families: torch.Tensor, count: int, reduce
 
 class CausePolicy(LockedPolicy):
     """The cause policy (see the module docstring). Its options are `GNMRConfig`'s `cause_*` fields and the
-    relapse lock's cap; its state, beyond the locks: the relapse lock (always on) and each unit's last fidelity
-    measure and its step (`held_fidelity`, `held_at`), which stands for a unit in recovery between its measures."""
+    relapse lock's cap; its state, beyond the locks: the relapse lock (always on) and each unit's last measured loss
+    and its step (`held_cheap_loss`, `held_at`), which stands for a unit in recovery between its measures."""
 
     name = "cause"
     measures = True
@@ -133,41 +133,43 @@ class CausePolicy(LockedPolicy):
         super().bind(names, kinds, device)
         self.relations = UnitRelations.from_names(names, kinds)
         self._relations = self.relations.device_tensors(self.device)
-        self.held_fidelity = torch.full((self.num_units,), torch.nan, dtype=torch.float64, device=self.device)
+        self.held_cheap_loss = torch.full((self.num_units,), torch.nan, dtype=torch.float64, device=self.device)
         self.held_at = torch.full((self.num_units,), NEVER, dtype=torch.int64, device=self.device)
         self._held_before: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def describe(self) -> dict[str, Any]:
         return {"families": [self.relations.family_names[f] for f in self.relations.families]}
 
-    def _held(self, t: int, fidelity: torch.Tensor | None) -> torch.Tensor:
-        """This step's fidelity per unit (float64, NaN where unmeasured), with a unit in recovery's last measure
-        standing for it between its measures; updates the held measures."""
-        # A unit in recovery measures only every `cause_recovery_every` steps (`RecoverableUnit.measuring`): between
+    def _held(self, t: int, cheap_loss: torch.Tensor | None) -> torch.Tensor:
+        """This step's loss per unit (float64, NaN where unmeasured), with a unit in recovery's last measure standing
+        for it between its measures; updates the held measures."""
+        # A unit in recovery measures only every `cause_recovery_every` steps (`FidelityMeter.due`): between
         # its measures its last one stands, so that it is held, ranked and released on what it measured.
-        fresh = torch.full_like(self.held_fidelity, torch.nan) if fidelity is None else fidelity.to(torch.float64)
+        fresh = (
+            torch.full_like(self.held_cheap_loss, torch.nan) if cheap_loss is None else cheap_loss.to(torch.float64)
+        )
         measured = ~fresh.isnan()
         # Only a measure from within the unit's measuring period stands: a unit in recovery that stops measuring
         # (no forward: an unused expert) is not held forever on an old loss.
         stands = self.active & ~measured & (t - self.held_at < self.config.recovery_every)
-        self._held_before = (self.held_fidelity, self.held_at)
-        held = torch.where(stands, self.held_fidelity, fresh)
-        self.held_fidelity = torch.where(measured, fresh, self.held_fidelity)
+        self._held_before = (self.held_cheap_loss, self.held_at)
+        held = torch.where(stands, self.held_cheap_loss, fresh)
+        self.held_cheap_loss = torch.where(measured, fresh, self.held_cheap_loss)
         self.held_at = torch.where(measured, t, self.held_at)
         return held
 
     def step(self, scores: Scores) -> Choice:
-        """One step: the new recovery set and locks, and per unit `severity` (the fidelity used, NaN where
+        """One step: the new recovery set and locks, and per unit `cheap_loss` (the loss used, NaN where
         unmeasured), `reason` (int8 codes of `REASONS`) and `source` (for a cause: the riskiest symptomatic unit of
         its family, else -1)."""
         cfg, t, relations = self.config, scores.t, self._relations
         risky, risk, broken_norm, active = scores.risky, scores.risk, scores.broken, self.active
-        sev = self._held(t, scores.fidelity)
+        loss = self._held(t, scores.cheap_loss)
         n = risky.numel()
         device = risky.device
         index = torch.arange(n, device=device)
-        measured = ~sev.isnan()
-        s = sev.nan_to_num(nan=0.0, posinf=1e300)
+        measured = ~loss.isnan()
+        s = loss.nan_to_num(nan=0.0, posinf=1e300)
         suspect = cfg.cause_suspect
 
         # Peers: far past the median of the same unit in other layers (and suspect: a tiny loss several times another
@@ -176,11 +178,13 @@ class CausePolicy(LockedPolicy):
         # their bounds), and without a reference a unit lossy from the start but under its bound would never be seen.
         # (The median of all units is a sort of N: taken only where some unit needs it.)
         population = (
-            sev.nanmedian() if relations["has_peerless"] else torch.full((), torch.nan, dtype=sev.dtype, device=device)
+            loss.nanmedian()
+            if relations["has_peerless"]
+            else torch.full((), torch.nan, dtype=loss.dtype, device=device)
         )
         if relations["has_peers"]:
             grid, row = relations["peer_index"], relations["peer_row"]
-            medians = torch.where(grid >= 0, sev[grid.clamp_min(0)], torch.nan).nanmedian(dim=1).values
+            medians = torch.where(grid >= 0, loss[grid.clamp_min(0)], torch.nan).nanmedian(dim=1).values
             median = torch.where(row >= 0, medians[row.clamp_min(0)], population)
         else:
             median = population.expand(n)
@@ -229,32 +233,34 @@ class CausePolicy(LockedPolicy):
         ):
             reason = torch.where(mask, code, reason).to(torch.int8)
         self._set(new_locks, selected)
-        return Choice(selected, candidates, new_locks, {"severity": sev, "reason": reason, "source": source})
+        return Choice(selected, candidates, new_locks, {"cheap_loss": loss, "reason": reason, "source": source})
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return super().state_dict() | {"held_fidelity": self.held_fidelity, "held_at": self.held_at}
+        return super().state_dict() | {"held_cheap_loss": self.held_cheap_loss, "held_at": self.held_at}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        self.held_fidelity, self.held_at = self._load_held(state)
+        self.held_cheap_loss, self.held_at = self._load_held(state)
         self._held_before = None
 
     def _load_held(self, state: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last fidelity measures and their steps from `state` (JSON null: NaN), or none held when it was saved
-        without them (by another policy)."""
-        if not all(name in state for name in ("held_fidelity", "held_at")):
-            return torch.full_like(self.held_fidelity, torch.nan), torch.full_like(self.held_at, NEVER)
-        return load_tensor(state, "held_fidelity", self.held_fidelity), load_tensor(state, "held_at", self.held_at)
+        """The last measured losses and their steps from `state` (JSON null: NaN), or none held when it was saved
+        without them (by another policy). A state saved before the loss was named `cheap_loss` holds them as
+        `held_fidelity`."""
+        name = "held_cheap_loss" if "held_cheap_loss" in state else "held_fidelity"
+        if not all(key in state for key in (name, "held_at")):
+            return torch.full_like(self.held_cheap_loss, torch.nan), torch.full_like(self.held_at, NEVER)
+        return load_tensor(state, name, self.held_cheap_loss), load_tensor(state, "held_at", self.held_at)
 
     def revert(self) -> None:
         super().revert()
         if self._held_before is not None:
-            (self.held_fidelity, self.held_at), self._held_before = self._held_before, None
+            (self.held_cheap_loss, self.held_at), self._held_before = self._held_before, None
 
     def host_parts(self, choice: Choice, k: int) -> list[torch.Tensor]:
         # Every unit's reason and source (the active ones are read from them) and the k lossiest measured units.
-        sev = choice.extras["severity"]
-        lossy = torch.where(sev.isnan(), -1.0, sev.nan_to_num(posinf=1e300))
+        loss = choice.extras["cheap_loss"]
+        lossy = torch.where(loss.isnan(), -1.0, loss.nan_to_num(posinf=1e300))
         lossy_idx = top_indices(lossy, k)
         return [
             choice.extras["reason"].to(torch.float64),
@@ -264,15 +270,15 @@ class CausePolicy(LockedPolicy):
         ]
 
     def host_extras(self, parts: np.ndarray, active: np.ndarray, k: int) -> dict[str, Any]:
-        """{"cause": {"why": [[unit, reason, source unit or -1], ...] for the active units, "severity": [[unit,
-        fidelity], ...] for the `k` lossiest measured units, lossiest first}}."""
+        """{"cause": {"why": [[unit, reason, source unit or -1], ...] for the active units, "cheap_loss": [[unit,
+        loss], ...] for the `k` lossiest measured units, lossiest first}}."""
         n = self.num_units
         reason, source = parts[:n], parts[n : 2 * n]
-        sev, sev_idx = parts[2 * n : 2 * n + k], parts[2 * n + k : 2 * n + 2 * k]
+        loss, loss_idx = parts[2 * n : 2 * n + k], parts[2 * n + k : 2 * n + 2 * k]
         return {
             "cause": {
                 "why": [[int(i), REASONS[int(reason[i])], int(source[i])] for i in active],
-                "severity": [[int(i), float(v)] for i, v in zip(sev_idx, sev, strict=True) if v >= 0],
+                "cheap_loss": [[int(i), float(v)] for i, v in zip(loss_idx, loss, strict=True) if v >= 0],
             }
         }
 

@@ -37,7 +37,7 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
     data = byte_dataset(write_local_text(os.path.join(out_dir, f"train{rank}.txt"), lines=64))
     spiked = "model.layers.1.self_attn.v_proj" if mode == "meters" else "model.layers.1.mlp.down_proj"
     # policy="cause" with every measured loss suspect: the spike is blamed on its family's lossiest unit, which only
-    # a fidelity averaged over the ranks makes the same unit on both.
+    # a loss averaged over the ranks makes the same unit on both.
     cause = {"policy": "cause", "cause_suspect": 1e-6} if mode == "cause" else {}
     gnmr = GNMRCallback(GNMRConfig(max_active=2, lock_steps=2, window=2, min_history=2, alpha=3.0, beta=3.0, **cause))
 
@@ -47,8 +47,8 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             norms, missing = gnmr._pending
             records.append({"step": state.global_step + 1, "norms": norms.tolist(), "missing": missing.tolist()})
-            if gnmr._pending_fidelity is not None:
-                records[-1]["fidelity"] = gnmr._pending_fidelity.tolist()
+            if gnmr._pending_cheap_loss is not None:
+                records[-1]["cheap_loss"] = gnmr._pending_cheap_loss.tolist()
 
         def on_optimizer_step(self, args, state, control, **kwargs):
             d = gnmr.last_decision

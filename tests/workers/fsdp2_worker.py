@@ -87,9 +87,9 @@ def main() -> None:
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         norms, missing = callback._pending
-        fidelity = callback._pending_fidelity
+        cheap_loss = callback._pending_cheap_loss
         if step == 1 and policy == "cause":
-            reference_fidelity = unsharded_fidelity(replica, backend, callback.config, x)
+            reference_cheap_loss = unsharded_cheap_loss(replica, backend, callback.config, x)
         reference = []
         for unit in callback.units:
             full = [t.grad.full_tensor() if hasattr(t.grad, "full_tensor") else t.grad for t in unit.signal_tensors()]
@@ -108,31 +108,31 @@ def main() -> None:
                 "active": d.active.tolist(),
                 "entered": d.entered.tolist(),
                 "risky": d.risky.tolist(),
-                **({} if fidelity is None else {"fidelity": fidelity.tolist()}),
+                **({} if cheap_loss is None else {"cheap_loss": cheap_loss.tolist()}),
             }
         )
     callback.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         result = {"sharded": sharded, "names": [u.name for u in callback.units], "records": records}
         if policy == "cause":
-            result["reference_fidelity"] = reference_fidelity
+            result["reference_cheap_loss"] = reference_cheap_loss
         json.dump(result, f)
     dist.destroy_process_group()
 
 
-def unsharded_fidelity(model, backend, config, x) -> list[float]:
+def unsharded_cheap_loss(model, backend, config, x) -> list[float]:
     """What the units of `model` (not sharded) measure on batch `x` at the first step, averaged over the ranks by
-    `UnitSignals.gather_fidelity`."""
+    `UnitSignals.gather_cheap_loss`."""
     from gnmr_hf import find_units
     from gnmr_hf.signals import UnitSignals
 
     units = find_units(model, backend, exclude=config.exclude)
     for unit in units:
-        unit.start_measuring(config.cause_fidelity_rows, clock=lambda: 0, recovery_every=config.recovery_every)
+        unit.meter.start(config.cause_fidelity_rows, clock=lambda: 0, recovery_every=config.recovery_every)
     model(input_ids=x, labels=x).loss.backward()
-    fidelity = UnitSignals(units, dp_group=dist.group.WORLD).gather_fidelity()
+    cheap_loss = UnitSignals(units, dp_group=dist.group.WORLD).gather_cheap_loss()
     units.close()
-    return fidelity.tolist()
+    return cheap_loss.tolist()
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ class QuantSavedAttention(torch.autograd.Function):
         # probe: the unit measuring on the cheap path; the backward adds the recomputed rows' sums.
         ctx.probe = None
         if probe is not None:
-            ctx.probe = (probe, _operand_parts(probe, spec, cache, (q, k, v)), probe.sample_rows(p))
+            ctx.probe = (probe, _operand_parts(probe, spec, cache, (q, k, v)), probe.meter.rows(p))
         ctx.is_causal, ctx.scaling, ctx.renormalize, ctx.groups = is_causal, scaling, renormalize, groups
         ctx.max_row_total = max_row_total
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
@@ -162,7 +162,7 @@ class QuantSavedAttention(torch.autograd.Function):
         p = _recomputed_probabilities(q, k_rep, lse, mask, ctx.is_causal, scaling)
         if ctx.probe is not None:
             unit, operands, rows = ctx.probe
-            unit.report_fidelity(*operands, row_totals(p, rows))
+            unit.meter.report(*operands, row_totals(p, rows))
         if ctx.renormalize:
             total = p.sum(-1, keepdim=True)
             p = p / torch.where(total > 0, total, 1.0)
@@ -222,10 +222,10 @@ def act_quant_attention(
     if isinstance(unit, ActQuantAttentionUnit):
         spec, renormalize, max_row_total = unit.current_spec(), unit.options.renormalize, unit.options.max_row_total
         if torch.is_grad_enabled():
-            unit.measure(query, key, value)
-            if unit.measuring:
+            unit.count_recovery_bytes(query, key, value)
+            if unit.meter.due:
                 if unit.in_recovery:
-                    unit.report_fidelity(*unit.shadow_parts(query, key, value, attention_mask, is_causal, scaling))
+                    unit.meter.report(*unit.shadow_parts(query, key, value, attention_mask, is_causal, scaling))
                 else:
                     probe = unit
     out = QuantSavedAttention.apply(
@@ -324,21 +324,21 @@ class ActQuantAttentionUnit(_SavesActivations):
         """What the cheap path would lose on this forward's q, k, v (measured in recovery, where the backward runs
         on the high_bits copies): the operands' loss and the row sums of the probabilities recomputed from the
         low_bits q and k, exactly as the cheap path's backward would, at the query positions sampled
-        (`fidelity_rows` rows over batch and heads; all when 0). One extra QK^T per recovered unit, on those rows."""
+        (`meter.max_rows` rows over batch and heads; all when 0). One extra QK^T per recovered unit, on those rows."""
         spec = self.cheap_spec()
         b, h, t, d = q.shape
-        per_head = -(-self.fidelity_rows // (b * h)) if self.fidelity_rows else 0
-        positions = self.sample_rows(q[0, 0], per_head)  # query positions: the rows of one head's q
+        per_head = -(-self.meter.max_rows // (b * h)) if self.meter.max_rows else 0
+        positions = self.meter.rows(q[0, 0], per_head)  # query positions: the rows of one head's q
         q_rows = None
         if positions is not None:
             q_rows = (torch.arange(b * h, device=q.device).unsqueeze(-1) * t + positions).reshape(-1)
         q_low = spec.restore_rows(q, q_rows).reshape(b, h, -1, d)
         k_low = spec.rounded_copy(k)  # every key: the probabilities' rows sum over all of them
-        k_rows = self.sample_rows(k)
+        k_rows = self.meter.rows(k)
         operands = [
             operand_stats(take_rows(q, q_rows), q_low.reshape(-1, d)),
             operand_stats(take_rows(k, k_rows), take_rows(k_low, k_rows)),
-            spec.stats(v, rows=self.sample_rows(v)),
+            spec.stats(v, rows=self.meter.rows(v)),
         ]
         groups = h // k.shape[1]
         q_exact = q if positions is None else q.index_select(2, positions)

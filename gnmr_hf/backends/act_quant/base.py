@@ -45,13 +45,13 @@ class _SavesActivations(RecoverableUnit):
 
     def cheap_spec(self) -> SaveSpec:
         """How the cheap path saves (`low_bits`, with the unit's `scale_transform`), also while the unit is in
-        recovery: its fidelity is measured on it either way."""
+        recovery: what it loses is measured on it either way."""
         spec = self.options.spec(self.low_bits)
         if self.scale_transform is None:
             return spec
         return dataclasses.replace(spec, scale_transform=self.scale_transform)
 
-    def measure(self, *tensors: torch.Tensor) -> None:
+    def count_recovery_bytes(self, *tensors: torch.Tensor) -> None:
         """Record the extra bytes the recovery path saves for these tensors; state them to the ledger in recovery."""
         extra = self.options.extra_bytes(*tensors)
         self._max_extra = max(self._max_extra, extra)
@@ -72,10 +72,10 @@ def _save_cache(ctx: DispatchContext) -> SaveCache:
 def _operand_parts(
     unit: RecoverableUnit, spec: SaveSpec, cache: SaveCache, tensors: Sequence[torch.Tensor], bias: bool = True
 ) -> list[OperandStats]:
-    """`SaveSpec.stats` of each operand one unit saves, on the rows `unit.sample_rows` picks, for one report (its
+    """`SaveSpec.stats` of each operand one unit saves, on the rows `unit.meter.rows` picks, for one report (its
     loss is the worst one's, as attention's q, k, v: the worst one is the one whose backward breaks first). `bias`:
     with the row-sum bias (False for a copy that feeds only a weight gradient, docs/method.md)."""
-    return [spec.stats(x, cache, unit.sample_rows(x), bias) for x in tensors]
+    return [spec.stats(x, cache, unit.meter.rows(x), bias) for x in tensors]
 
 
 class _SwitchedSaves(_SavesActivations, SwitchedUnit):

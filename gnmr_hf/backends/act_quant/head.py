@@ -129,12 +129,12 @@ class ActQuantHeadUnit(_SwitchedSaves):
         m = self.module
         if not (torch.is_grad_enabled() and m.weight.requires_grad):
             return self._module_forward(h)
-        self.measure(h)
+        self.count_recovery_bytes(h)
         logits = QuantSavedLinear.apply(h, m.weight, m.bias, self.current_spec(), self._cache)
-        if self.measuring:
+        if self.meter.due:
             # Unlike a linear unit's, the copy also feeds the logits the backward recomputes (a GEMM summing along
             # its rows), so the row-sum bias counts.
-            self.report_fidelity(*_operand_parts(self, self.cheap_spec(), self._cache, (h,)))
+            self.meter.report(*_operand_parts(self, self.cheap_spec(), self._cache, (h,)))
         self._inputs[logits] = (h, self.current_spec())
         return logits
 

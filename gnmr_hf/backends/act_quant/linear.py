@@ -62,11 +62,11 @@ class ActQuantLinearUnit(_SwitchedSaves):
         m = self.module
         training = torch.is_grad_enabled() and m.weight.requires_grad
         if training:
-            self.measure(x)
+            self.count_recovery_bytes(x)
         out = QuantSavedLinear.apply(x, m.weight, m.bias, self.current_spec(), self._cache)
-        if training and self.measuring:
+        if training and self.meter.due:
             # After the save: on the cheap path the cache holds the copy saved, whose scale the measure reuses. The
             # relative error only: the copy feeds only the weight-gradient GEMM, which sums over tokens, not along
             # the rows the bias is taken over (docs/method.md, "Fidelity").
-            self.report_fidelity(*_operand_parts(self, self.cheap_spec(), self._cache, (x,), bias=False))
+            self.meter.report(*_operand_parts(self, self.cheap_spec(), self._cache, (x,), bias=False))
         return out

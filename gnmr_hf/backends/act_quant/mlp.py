@@ -87,10 +87,10 @@ class ActQuantMLPUnit(_SwitchedSaves):
         gate, up = m.gate_proj(x), m.up_proj(x)
         if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
             return m.down_proj(self._product(gate, up))
-        self.measure(gate, up)
+        self.count_recovery_bytes(gate, up)
         product = QuantSavedRecompute.apply(self._product, self.current_spec(), self._cache, gate, up)
-        if self.measuring:  # after the save: the measure reuses the saved copies' scales
-            self.report_fidelity(*_operand_parts(self, self.cheap_spec(), self._cache, (gate, up)))
+        if self.meter.due:  # after the save: the measure reuses the saved copies' scales
+            self.meter.report(*_operand_parts(self, self.cheap_spec(), self._cache, (gate, up)))
         return m.down_proj(product)
 
 

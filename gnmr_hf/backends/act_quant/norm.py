@@ -65,10 +65,10 @@ class ActQuantNormUnit(_SwitchedSaves):
         weight = self.module.weight
         if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return self._module_forward(x)
-        self.measure(x)
+        self.count_recovery_bytes(x)
         out = QuantSavedRMSNorm.apply(self._module_forward, x, weight, self.eps, self.current_spec(), self._cache)
-        if self.measuring:  # after the save: the measure reuses the saved copy's scale
-            self.report_fidelity(*_operand_parts(self, self.cheap_spec(), self._cache, (x,)))
+        if self.meter.due:  # after the save: the measure reuses the saved copy's scale
+            self.meter.report(*_operand_parts(self, self.cheap_spec(), self._cache, (x,)))
         return out
 
 
