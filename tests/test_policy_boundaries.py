@@ -11,29 +11,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_cause import NAMES, controller
 
 from gnmr_hf import GNMRConfig, GNMRController
 from gnmr_hf.advise import advise
 
-# One layer: an attention unit (0), its four projections (1-4, its family), an MLP's three projections (5-7).
-NAMES = [
-    "model.layers.0.self_attn",
-    "model.layers.0.self_attn.q_proj",
-    "model.layers.0.self_attn.k_proj",
-    "model.layers.0.self_attn.v_proj",
-    "model.layers.0.self_attn.o_proj",
-    "model.layers.0.mlp.gate_proj",
-    "model.layers.0.mlp.up_proj",
-    "model.layers.0.mlp.down_proj",
-]
-KINDS = ["attention"] + ["linear"] * 7
-CAUSE = dict(max_active=2, lock_steps=3, window=2, min_history=2, alpha=2.0, beta=1e9, policy="cause")
+# The cause policy's rules on the hand-written unit set of tests/test_cause.py: an attention unit (0), its four
+# projections (1-4, its family), an MLP's three projections (5-7).
 HEALTHY = 0.2
-
-
-def cause_controller(names=NAMES, kinds=KINDS, **overrides) -> GNMRController:
-    config = GNMRConfig(**{**CAUSE, **overrides})
-    return GNMRController(config, len(names), names=names, kinds=kinds)
+cause_controller = controller
 
 
 def run(ctl: GNMRController, stream, norms=None) -> list:

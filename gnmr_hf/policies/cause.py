@@ -32,7 +32,7 @@ from .paper import LockedPolicy
 
 __all__ = ["REASONS", "CausePolicy", "UnitRelations"]
 
-# Why a unit is in the recovery set (`Decision.reason`), by code.
+# Why a unit is in the recovery set (`Choice.extras["reason"]`), by code.
 REASONS = ("", "broken", "peer", "cause", "symptom", "held", "countdown")
 _BROKEN, _PEER, _CAUSE, _SYMPTOM, _HELD, _COUNTDOWN = range(1, 7)
 # An active unit's ranking key is multiplied by this: a newcomer must lose clearly more to take its place, so units of
@@ -52,7 +52,7 @@ class UnitRelations:
     unit, when there is one) another, its norms a third.
     `peers`: units of one peer group are the same unit in other layers (name with the layer index removed, and the
     same kind), compared with each other when the group has at least 3 members; a unit in no such group is compared
-    with all measured units (`cause_step`).
+    with all measured units (`CausePolicy.step`).
     """
 
     families: tuple[int, ...]
