@@ -4,16 +4,17 @@
 
 A unit the run *needed persistently* spent at least `--min_share` of the steps from its first entry into recovery to
 the end of the run on the recovery path (default 0.5): what a static rule should keep off the cheap path. For those
-units it prints the evidence (steps recovered, first entry, entries, why the cause policy recovered them, the loss
-it measured on their cheap path, the units whose symptoms it was blamed for). A unit whose traced loss was past its
-bound (> 1) in at least `--min_share` of the steps from its first such step on, but that the run did not hold (the
-budget, `max_active`, was full), is listed apart with its evidence: its cheap path was broken too, and a static
-rule, which has no budget, should keep it off. Both kinds make the carve-out, printed three ways: this
-package's `exclude` patterns, a torchao `module_filter_fn`, and bitsandbytes' `llm_int8_skip_modules`; and, for
-every unit, the precision it actually ran in (the share of steps on each path). Every pattern printed is checked
-against the trace's unit names, and so is every `--expect` pattern (a carve-out the user already has): one that
-matches no unit is an error (exit status 2), not silence, since a filter that silently matches nothing is how a
-carve-out gets lost (torchtitan PR #4008, accelerate PR #4147).
+units it prints the evidence (steps recovered, first entry, entries, why the cause policy recovered them, the loss it
+measured on their cheap path, the units whose symptoms it was blamed for). A unit that the run did not hold (the
+budget, `max_active`, was full) but that asked for recovery in at least `--min_share` of the steps from the first time
+on is listed apart with its evidence: left out by the budget (the trace's `left_out`: the policy's candidates it could
+not hold), or its traced loss past its bound (> 1); its cheap path was broken too, and a static rule, which has no
+budget, should keep it off. Both kinds make the carve-out, printed three ways: this package's `exclude` patterns, a
+torchao `module_filter_fn`, and bitsandbytes' `llm_int8_skip_modules`; and, for every unit, the precision it actually
+ran in (the share of steps on each path). Every pattern printed is checked against the trace's unit names, and so is
+every `--expect` pattern (a carve-out the user already has): one that matches no unit is an error (exit status 2), not
+silence, since a filter that silently matches nothing is how a carve-out gets lost (torchtitan PR #4008, accelerate PR
+#4147).
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ class UnitEvidence:
     losses: list[float] = field(default_factory=list)  # its cheap path's, as traced (`cause.cheap_loss`)
     broken: int = 0  # steps whose traced loss was past the bound
     first_broken: int | None = None
+    left_out: int = 0  # steps the budget left it out (a candidate not held)
+    first_left_out: int | None = None
+
+    def asked_persistently(self, last: int, min_share: float) -> bool:
+        """Broken, or left out by the budget, in at least `min_share` of the steps from the first time to `last`."""
+        return any(
+            first is not None and count >= min_share * (last - first + 1)
+            for count, first in ((self.broken, self.first_broken), (self.left_out, self.first_left_out))
+        )
 
 
 @dataclass
@@ -49,13 +59,13 @@ class Advice:
     persistent: list[UnitEvidence]
     paths: list[str]
     backend: str
-    # Broken persistently, not held: the budget was full.
+    # Broken or left out persistently, not held: the budget was full.
     unheld: list[UnitEvidence] = field(default_factory=list)
     max_active: int | None = None
 
     @property
     def names(self) -> list[str]:
-        """The carve-out: the units needed persistently, then those broken persistently that the run did not hold."""
+        """The carve-out: the units needed persistently, then those that asked persistently and were not held."""
         return [u.name for u in self.persistent + self.unheld]
 
 
@@ -77,6 +87,10 @@ def advise(path: str, min_share: float = 0.5) -> Advice:
             units[i].entries += 1
             if units[i].first_entry is None:
                 units[i].first_entry = step
+        for i in record.get("left_out", ()):  # traces written before it was recorded have none
+            units[i].left_out += 1
+            if units[i].first_left_out is None:
+                units[i].first_left_out = step
         cause = record.get("cause")
         if cause:
             entered = set(record["entered"])
@@ -96,11 +110,7 @@ def advise(path: str, min_share: float = 0.5) -> Advice:
         u for u in units if u.first_entry is not None and u.recovered >= min_share * (last - u.first_entry + 1)
     ]
     held = {u.name for u in persistent}
-    unheld = [
-        u
-        for u in units
-        if u.name not in held and u.first_broken is not None and u.broken >= min_share * (last - u.first_broken + 1)
-    ]
+    unheld = [u for u in units if u.name not in held and u.asked_persistently(last, min_share)]
     paths = header.get("paths") or ["low/high"] * len(names)
     max_active = (header.get("config") or {}).get("max_active")
     return Advice(len(steps), units, persistent, list(paths), str(header.get("backend", "")), unheld, max_active)
@@ -137,15 +147,19 @@ def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list
         if advice.unheld:
             budget = f"max_active={advice.max_active}" if advice.max_active is not None else "max_active"
             lines.append(
-                f"units broken persistently that the run did not hold ({len(advice.unheld)}; the budget, {budget}, "
-                "was full):"
+                f"units broken or left out persistently that the run did not hold ({len(advice.unheld)}; the budget, "
+                f"{budget}, was full):"
             )
         for u in advice.unheld:
-            lines.append(
-                f"  {u.name}: loss past its bound at {u.broken} steps from step {u.first_broken} on, median "
-                f"{statistics.median(u.losses):.3g} over the {len(u.losses)} steps traced; {u.recovered} steps "
-                "recovered"
-            )
+            evidence = []
+            if u.first_left_out is not None:
+                evidence.append(f"left out by the budget at {u.left_out} steps from step {u.first_left_out} on")
+            if u.first_broken is not None:
+                evidence.append(
+                    f"loss past its bound at {u.broken} steps from step {u.first_broken} on, median "
+                    f"{statistics.median(u.losses):.3g} over the {len(u.losses)} steps traced"
+                )
+            lines.append(f"  {u.name}: {'; '.join(evidence)}; {u.recovered} steps recovered")
         patterns = [_pattern(n) for n in advice.names]
         lines += [
             "",

@@ -14,7 +14,7 @@ import torch
 from test_cause import NAMES, controller
 
 from gnmr_hf import GNMRConfig, GNMRController
-from gnmr_hf.advise import advise
+from gnmr_hf.advise import advise, format_advice
 
 # The cause policy's rules on the hand-written unit set of tests/test_cause.py: an attention unit (0), its four
 # projections (1-4, its family), an MLP's three projections (5-7).
@@ -168,7 +168,7 @@ def test_the_relapse_aware_lock_doubles_the_lock_of_a_unit_reentering_within_loc
 # ------------------------------------------------------------------------------------------ gnmr-hf advise
 
 
-def _trace(tmp_path, active_per_step: list[list[int]], names: list[str]):
+def _trace(tmp_path, active_per_step: list[list[int]], names: list[str], left_out: list[list[int]] | None = None):
     header = {"type": "header", "version": 2, "units": names, "backend": "act_quant", "config": {"max_active": 2}}
     records, previous = [header], set()
     for step, active in enumerate(active_per_step, start=1):
@@ -178,7 +178,7 @@ def _trace(tmp_path, active_per_step: list[list[int]], names: list[str]):
                 "type": "step", "step": step, "t": step, "active": sorted(now), "entered": sorted(now - previous),
                 "exited": sorted(previous - now), "risky": [], "n_scored": len(names), "n_candidates": len(now),
                 "max_risk": 0.0, "top": [], "alpha": 3.0, "beta": 3.0,
-            }
+            } | ({"left_out": left_out[step - 1]} if left_out is not None else {})
         )  # fmt: skip
         previous = now
     path = tmp_path / "gnmr_trace.jsonl"
@@ -204,3 +204,19 @@ def test_advise_counts_a_late_units_share_from_its_first_entry_not_from_the_star
     names = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert advise(_trace(tmp_path, [[]] * 5 + [[1], [1], [], [], []], names)).names == []
     assert advise(_trace(tmp_path, [[]] * 6 + [[1], [1], [], []], names)).names == [names[1]]
+
+
+@pytest.mark.parametrize("left_out_steps, listed", [(3, True), (2, False)])
+def test_advise_lists_a_unit_the_budget_left_out_at_min_share_of_the_steps_from_the_first_time_on(
+    tmp_path, left_out_steps, listed, capsys
+):
+    # Unit 0 is held at every step; unit 1 asks from step 5 of 10 and is left out at `left_out_steps` of those 6 steps.
+    names = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    left = [[]] * 4 + [[1]] + [[1]] * (left_out_steps - 1) + [[]] * (6 - left_out_steps)
+    advice = advise(_trace(tmp_path, [[0]] * 10, names, left_out=left))
+    assert advice.names == [names[0], names[1]] if listed else [names[0]]
+    if listed:
+        text, _ = format_advice(advice)
+        assert (
+            "  model.layers.1.self_attn: left out by the budget at 3 steps from step 5 on; 0 steps recovered" in text
+        )
