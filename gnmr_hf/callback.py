@@ -4,10 +4,10 @@
 
 Per optimizer step: the units' norms are read once, at the end of the outermost backward pass of the last
 micro-batch (after accumulation and DDP/FSDP reductions, before the Trainer clips; fp16 norms unscaled on the
-device, a skipped step never observed); `on_optimizer_step` lets the controller decide, fetches the decision in
-the step's one device-to-host transfer and flips units (exits first) for the next step; metrics go into the
-Trainer's training logs, decisions into a JSONL trace, the controller state into every checkpoint. Why each of
-these happens where it does: docs/method.md, "The signal" and "Resume".
+device, a skipped step never observed: `gnmr_hf.capture`); `on_optimizer_step` lets the controller decide, fetches
+the decision in the step's one device-to-host transfer and flips units (exits first) for the next step; metrics go
+into the Trainer's training logs, decisions into a JSONL trace, the controller state into every checkpoint. Why
+each of these happens where it does: docs/method.md, "The signal" and "Resume".
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from .capture import StepCapture, data_parallel_group
 from .config import GNMRConfig
 from .controller import GNMRController, HostDecision
 from .integrations.deepspeed import DeepSpeedZero
@@ -95,14 +95,8 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self.summary_state: dict[str, Any] | None = None
         self.unit_names: list[str] | None = None
         self.unit_fidelity_state: dict[str, Any] | None = None
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._pending_cheap_loss: torch.Tensor | None = None  # read with the norms (policy="cause")
-        self._scale_at_capture: torch.Tensor | None = None
-        self._queued = False
-        self._hooks: list[Any] = []
+        self.capture: StepCapture | None = None  # reads the norms once per optimizer step (`gnmr_hf.capture`)
         self._trace: TraceWriter | None = None
-        self._gradient_state: Any = None
-        self._scaler: Any = None
         self._model: nn.Module | None = None
         self._zero: DeepSpeedZero | None = None
         self._warmup_check_step = 0
@@ -176,7 +170,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         """Everything after unit discovery: signals, controller, restored state, hooks, recovery set, trace."""
         cfg = self.config
         names = [u.name for u in self.units]
-        self.signals = UnitSignals(self.units, dp_group=_data_parallel_group(), model=self._model)
+        self.signals = UnitSignals(self.units, dp_group=data_parallel_group(), model=self._model)
         policy = make_policy(cfg)
         if not policy.resumes and state.global_step > 0:
             raise ValueError(f"GNMRCallback: policy {policy.name!r} does not resume; start the run anew")
@@ -196,8 +190,6 @@ class GNMRCallback(TrainerCallback, ExportableState):
         )
         self.summary = TraceSummary(unit_names=names)
         self._restore(state, names)
-        self._gradient_state = _gradient_state()
-        self._scaler = _loss_scaler(optimizer)
         if getattr(args, "report_to", None) and not self.ahead_of_reporting:
             # Trainer.log() builds each log's dict itself and hands it to the callbacks in list order, and the
             # Trainer puts the reporting integrations ahead of every callback it is given (callbacks= as well as
@@ -213,7 +205,8 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 list(args.report_to),
             )
         self._warmup_check_step = self.controller.step if self.controller.step >= cfg.min_history + cfg.window else 0
-        self._install_capture_hooks()
+        assert self._model is not None
+        self.capture = StepCapture(self.signals, self._model, optimizer, self._zero, self.units)
         if not cfg.monitor_only:
             for i in self.controller.active.nonzero().flatten().tolist():
                 self.units[i].enter_recovery()
@@ -226,7 +219,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
             cfg.max_active,
             cfg.lock_steps,
             "monitor only" if cfg.monitor_only else "active",
-            ", fp16 loss scaling: norms unscaled on the device, skipped steps not observed" if self._scaler else "",
+            ", fp16 loss scaling: norms unscaled on the device, skipped steps not observed"
+            if self.capture.scaler
+            else "",
         )
         if cfg.trace_file and state.is_world_process_zero:
             path = os.path.join(args.output_dir, cfg.trace_file)
@@ -250,23 +245,18 @@ class GNMRCallback(TrainerCallback, ExportableState):
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         assert self.controller is not None and self.summary is not None
+        assert self.capture is not None and self.signals is not None
         step = state.global_step + 1  # the optimizer step being taken (global_step counts it after on_step_end)
-        pending, self._pending = self._pending, None
-        cheap_loss, self._pending_cheap_loss = self._pending_cheap_loss, None
-        self._queued = False
+        norms, missing, cheap_loss = self.capture.take(self.controller.num_units, self.controller.device)
         try:
             self.signals.check()
         except ValueError:
             self.close()
             raise
-        if pending is None:
-            # No backward reached the model's outputs this step: every unit is missing.
-            n, device = self.controller.num_units, self.controller.device
-            pending = (torch.full((n,), torch.nan, device=device), torch.ones(n, dtype=torch.bool, device=device))
         cfg = self.config
         check_history = self._warmup_check_step == 0 and self.controller.step + 1 >= cfg.min_history + cfg.window
-        skipped = self._skipped(optimizer)
-        decision = self.controller.observe(*pending, cheap_loss).to_host(
+        skipped = self.capture.skipped(optimizer)
+        decision = self.controller.observe(norms, missing, cheap_loss).to_host(
             top_k=cfg.trace_top_k, history=check_history, flag=skipped
         )
         if decision.flag:
@@ -318,15 +308,13 @@ class GNMRCallback(TrainerCallback, ExportableState):
     # ------------------------------------------------------------------ internals
     def close(self) -> None:
         """Remove hooks, return every unit to its low-cost path and close the trace."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        if self.capture is not None:
+            self.capture.remove()  # kept, unhooked: what it read (`scaler`, `pending`) stays readable after the run
         for unit in self.units:
             unit.close()
         if self._trace is not None:
             self._trace.close()
             self._trace = None
-        self._pending, self._pending_cheap_loss, self._queued = None, None, False
         if self._model is not None:
             run = self._model.__dict__.get(_RUN_ATTR)
             if run is not None and run[0]() is self:
@@ -376,62 +364,6 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 )
             units[name].load_meter_state(unit_state)
         logger.info("GNMR: restored the controller state of optimizer step %d", state.global_step)
-
-    def _install_capture_hooks(self) -> None:
-        assert self._model is not None
-        if self._zero is not None:
-            # DeepSpeed ZeRO: the reduced gradients exist only just before its optimizer step, read there.
-            def sink(norms: torch.Tensor, missing: torch.Tensor) -> None:
-                self._pending, self._pending_cheap_loss = (norms, missing), self.signals.gather_cheap_loss()
-
-            self._hooks = [self._zero.install(self.units, sink)]
-            return
-        self._hooks = [self._model.register_forward_hook(self._on_model_forward)]
-
-    def _on_model_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
-        for tensor in _output_tensors(output):
-            if tensor.requires_grad:
-                tensor.register_hook(self._on_output_grad)
-
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
-        # Runs at the start of the outermost backward pass through the model (its outputs' gradients come first).
-        if self._queued or not self._gradient_state.sync_gradients:
-            return
-        self._queued = True
-        # The engine runs queued callbacks after the whole pass, in queue order, including callbacks queued while
-        # they run: queueing from inside one puts our read after every end-of-backward callback queued during
-        # the pass (DDP's averaging once the last bucket is ready), and still before any clipping.
-        engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(lambda: engine.queue_callback(self._capture))
-
-    def _capture(self) -> None:
-        assert self.signals is not None
-        norms, missing = self.signals.compute()
-        if self._scaler is not None:
-            # Gradients are still multiplied by the loss scale here (the Trainer unscales them when it clips).
-            scale = _loss_scale(self._scaler)
-            norms = norms / scale.to(norms.device)
-            self._scale_at_capture = scale.clone()
-        self._pending, self._pending_cheap_loss = (norms, missing), self.signals.cheap_loss
-        self._queued = False
-
-    def _skipped(self, optimizer: Any) -> torch.Tensor | None:
-        """A bool scalar on the device: did the fp16 loss scaler skip this step? None without a scaler.
-
-        `GradScaler.update()` lowers the scale exactly when it found inf/NaN gradients and skipped the step, so the
-        comparison with the scale the backward pass used is exact and needs no sync; it travels with the
-        decision's one transfer. (accelerate's `optimizer.step_was_skipped` misses the skips of fused optimizers,
-        the Trainer's default, which skip inside their own kernel.)
-        """
-        if self._scaler is None or self._scale_at_capture is None:
-            return None
-        skipped = _loss_scale(self._scaler) < self._scale_at_capture
-        if getattr(optimizer, "step_was_skipped", False):
-            skipped = torch.ones_like(skipped)
-        self._scale_at_capture = None
-        return skipped.reshape(())
 
     def _warn_budget(self, args: Any) -> None:
         """Say so when the budget kept units off the recovery path that asked for it persistently (broken units
@@ -518,14 +450,6 @@ def _backend_and_options(config: GNMRConfig) -> tuple[Backend, BackendOptions]:
         raise type(err)(f"GNMRConfig.backend_options: {err}") from None
 
 
-def _output_tensors(output: Any) -> list[torch.Tensor]:
-    """The top-level tensors of a model's output (a tensor, a ModelOutput / dict, or a tuple)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
 def _exported_attributes(stateful: Any) -> dict[str, Any] | None:
     """This callback's exported attributes in a loaded `TrainerState.stateful_callbacks`, if any."""
     if not isinstance(stateful, Mapping):
@@ -543,41 +467,3 @@ def _unit_kinds(units: list[RecoverableUnit]) -> dict[str, dict[str, int]]:
         for key, value in unit.describe().items():
             kinds.setdefault(key, Counter())[str(value)] += 1
     return {key: dict(counts.most_common()) for key, counts in kinds.items()}
-
-
-def _data_parallel_group() -> Any:
-    """The group over which ranks train on different data (all of them under the Trainer's DDP or FSDP), or None
-    in one process. Output-gradient meters are summed over it so that every rank decides the same."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_world_size() > 1:
-            return torch.distributed.group.WORLD
-    return None
-
-
-def _loss_scaler(optimizer: Any) -> Any:
-    """The optimizer's fp16 loss scaler (accelerate's `AcceleratedOptimizer.scaler`), if one is active.
-
-    Found on the optimizer rather than from `args.fp16`, because fp16 can also come from `accelerate launch
-    --mixed_precision fp16` or ACCELERATE_MIXED_PRECISION (then `args.mixed_precision == "fp16"` and
-    `args.fp16` is False), and on a CPU accelerate runs fp16 without a scaler.
-    """
-    scaler = getattr(optimizer, "scaler", None)
-    return scaler if scaler is not None and scaler.is_enabled() else None
-
-
-def _loss_scale(scaler: Any) -> torch.Tensor:
-    # `GradScaler.get_scale()` returns a Python float, i.e. a device sync; the scale tensor itself is private
-    # (`_scale`) but stable across torch 2.x, and is set by the time a scaled backward has run.
-    scale = getattr(scaler, "_scale", None)
-    if not isinstance(scale, torch.Tensor):
-        raise RuntimeError("GNMRCallback: the fp16 loss scaler has no scale tensor after a scaled backward pass")
-    return scale
-
-
-def _gradient_state() -> Any:
-    # accelerate's GradientState is a process-wide singleton; the Trainer sets `sync_gradients` before each
-    # micro-batch (True on the last one of the accumulation window). Without accelerate state, every backward
-    # counts as final.
-    from accelerate.state import GradientState
-
-    return GradientState()

@@ -111,7 +111,7 @@ def test_signal_is_the_pre_clip_norm_after_accumulation(
 
     class Grab(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            observed.append(gnmr_of(trainer)._pending[0].tolist())
+            observed.append(gnmr_of(trainer).capture.pending[0].tolist())
 
     trainer.add_callback(Grab())
     trainer.train()

@@ -67,14 +67,14 @@ def test_fp16_norms_are_unscaled_on_the_device(tiny_llama_dir, dataset, tmp_path
 
     class Grab(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            observed.append(gnmr_of(trainer)._pending[0].tolist())
+            observed.append(gnmr_of(trainer).capture.pending[0].tolist())
 
     trainer.add_callback(Grab())
     trainer.train()
     assert len(set(trainer.scales)) >= 3  # the scale moved during the run ...
     # ... and GNMR saw the gradients as the optimizer applies them, whatever the scale.
     torch.testing.assert_close(torch.tensor(observed), torch.tensor(trainer.unscaled), rtol=1e-5, atol=0)
-    assert gnmr_of(trainer)._scaler is trainer.accelerator.scaler
+    assert gnmr_of(trainer).capture.scaler is trainer.accelerator.scaler
 
 
 def test_fp16_a_step_the_scaler_skips_is_not_observed(tiny_llama_dir, dataset, tmp_path, fp16_state):
@@ -111,7 +111,7 @@ def test_fp16_from_accelerate_without_a_scaler_is_plain_precision(tiny_llama_dir
     trainer = make_trainer(tiny_llama_dir, dataset, tmp_path, max_steps=4, spike_step=0)
     assert trainer.args.mixed_precision == "fp16" and not trainer.args.fp16
     trainer.train()
-    assert gnmr_of(trainer)._scaler is None and gnmr_of(trainer).controller.step == 4
+    assert gnmr_of(trainer).capture.scaler is None and gnmr_of(trainer).controller.step == 4
 
 
 # ------------------------------------------------------------------------------------- LoRA on some modules

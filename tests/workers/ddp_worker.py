@@ -45,10 +45,10 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
 
     class Record(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            norms, missing = gnmr._pending
+            norms, missing = gnmr.capture.pending
             records.append({"step": state.global_step + 1, "norms": norms.tolist(), "missing": missing.tolist()})
-            if gnmr._pending_cheap_loss is not None:
-                records[-1]["cheap_loss"] = gnmr._pending_cheap_loss.tolist()
+            if gnmr.capture.pending_cheap_loss is not None:
+                records[-1]["cheap_loss"] = gnmr.capture.pending_cheap_loss.tolist()
 
         def on_optimizer_step(self, args, state, control, **kwargs):
             d = gnmr.last_decision

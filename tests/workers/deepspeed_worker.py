@@ -124,7 +124,7 @@ def run(model_dir: str, out_dir: str, mode: str) -> dict:
 
     class Norms(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            norms, missing = gnmr._pending
+            norms, missing = gnmr.capture.pending
             records[-1].update(norms=norms.tolist(), missing=missing.tolist())
 
     trainer = Trainer(

@@ -86,8 +86,8 @@ def main() -> None:
         spike["on"] = step == 6
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
-        norms, missing = callback._pending
-        cheap_loss = callback._pending_cheap_loss
+        norms, missing = callback.capture.pending
+        cheap_loss = callback.capture.pending_cheap_loss
         if step == 1 and policy == "cause":
             reference_cheap_loss = unsharded_cheap_loss(replica, backend, callback.config, x)
         reference = []
