@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +224,17 @@ def test_a_pretraining_recipe_continues_training_a_real_model_in_its_own_tokens(
     assert "nats/token" in results_table([results[0], static_high])
     corpus = retokenize(load_corpus("stdlib", 200_000), str(tiny_gguf[0]))
     assert corpus.train.dtype == torch.int32 and int(corpus.train.max()) < 256 + 33
+
+
+def test_real_model_grad_error_pairs_each_units_measured_loss_with_its_weight_gradient_error(tiny_gguf, monkeypatch):
+    monkeypatch.setenv("GNMR_HF_CACHE", str(tiny_gguf[1]))
+    script = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "real_model_grad_error.py"))
+    gguf = str(tiny_gguf[0])
+    exact = script["measure"](gguf, "act_quant", "kinds=all,low_bits=16,high_bits=16", 2, 16)
+    lossy = script["measure"](gguf, "act_quant", "kinds=all,low_bits=2,high_bits=16", 2, 16)
+    assert {r["kind"] for r in exact} == {"linear", "attention", "mlp", "norm", "head"}
+    # 16 bits saves exactly: nothing lost but the float rounding of recomputations (attention's recomputed rows sum
+    # to 1 within 1e-6), the exact gradients; 2 bits loses on every kind, and the errors show.
+    assert all(r["grad_error"] < 1e-5 and r["cheap_loss"] < 1e-5 for r in exact)
+    assert all(r["grad_error"] > 0.01 and r["cheap_loss"] > 0.0 for r in lossy)
+    assert "the 10 units with the largest weight-gradient error:" in script["report"](lossy, 10)
