@@ -30,6 +30,7 @@ __all__ = [
     "ERROR_BOUND",
     "PENDING_MAX_ELEMENTS",
     "ROW_SUM_BOUND",
+    "SOFTMAX_SHIFT_BOUND",
     "OperandStats",
     "Pending",
     "RowTotals",
@@ -46,6 +47,7 @@ __all__ = [
     "resolve",
     "row_sum_loss",
     "row_totals",
+    "softmax_shift_loss",
     "spread_rows",
     "sum_bias",
     "take_rows",
@@ -189,6 +191,8 @@ ERROR_BOUND = 2.0
 BIAS_BOUND = 0.1
 # A tenth of a probability row's mass created or lost by the recomputed softmax (the same bound, on p's rows).
 ROW_SUM_BOUND = 0.1
+# A tenth of a probability row's mass moved by a softmax recomputed from a rounded copy (the same bound again).
+SOFTMAX_SHIFT_BOUND = 0.1
 
 
 def relative_error(exact: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
@@ -433,6 +437,18 @@ def _row_offsets(x: torch.Tensor) -> list[int] | None:
             return None
         expected *= size
     return [x.stride(d) // width if x.shape[d] > 1 else 0 for d in range(x.dim() - 1)]
+
+
+def softmax_shift_loss(exact_logits: torch.Tensor, rounded_logits: torch.Tensor) -> torch.Tensor:
+    """The mean over the rows of the total-variation distance between softmax(rounded_logits) and
+    softmax(exact_logits), 0.5 * sum_j |q_ij - p_ij| (the share of each probability row the rounding moves), in
+    units of SOFTMAX_SHIFT_BOUND; +inf where either is not finite. For a backward that recomputes a softmax from a
+    rounded copy (the output head's loss), which a GEMM's averaging cannot undo: its rows are what the gradient of
+    every layer below starts from."""
+    p = torch.softmax(exact_logits.detach().float(), dim=-1)
+    q = torch.softmax(rounded_logits.detach().float(), dim=-1)
+    shift = 0.5 * (q - p).abs().sum(-1).mean() / SOFTMAX_SHIFT_BOUND
+    return torch.where(shift.isfinite(), shift, torch.inf)
 
 
 def row_totals(probabilities: torch.Tensor, index: torch.Tensor | None = None) -> RowTotals:

@@ -28,6 +28,7 @@ from gnmr_hf.fidelity import (
     relative_error,
     resolve,
     row_sum_loss,
+    softmax_shift_loss,
     spread_rows,
     sum_bias,
     take_rows,
@@ -141,6 +142,36 @@ def test_an_attention_unit_reports_how_far_its_recomputed_rows_are_from_summing_
     model(input_ids=ids, labels=ids).loss.backward()
     assert units[0].meter.take_loss().item() == pytest.approx(cheap, rel=1e-5)
     units.close()
+
+
+def test_the_softmax_shift_is_the_mean_total_variation_between_the_rows_in_units_of_a_tenth():
+    same = torch.tensor([[3.0, 1.0, 0.0]])
+    assert softmax_shift_loss(same, same).item() == 0.0
+    # Two classes whose winner swaps: p = (a, 1 - a) and q = (1 - a, a), a = sigmoid(10): a shift of 2a - 1.
+    a = torch.sigmoid(torch.tensor(10.0)).item()
+    shift = softmax_shift_loss(torch.tensor([[10.0, 0.0], [0.0, 0.0]]), torch.tensor([[0.0, 10.0], [0.0, 0.0]]))
+    assert shift.item() == pytest.approx((2 * a - 1) / 2 / 0.1, rel=1e-5)  # the second row does not move
+    assert softmax_shift_loss(same, torch.full_like(same, math.nan)).item() == math.inf
+
+
+def test_a_head_unit_reports_the_softmax_its_backward_recomputes_from_the_saved_input():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = _small_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # peaked logits, as a trained model's: a small shift of h moves the softmax
+    (head,) = find_units(model, "act_quant", include=[r"lm_head$"], kinds=["head"], low_bits=2, high_bits=16)
+    head.meter.start()  # every row
+    captured = {}
+    model.lm_head.register_forward_hook(lambda m, args, out: captured.update(h=args[0].detach(), z=out.detach()))
+    model(input_ids=ids, labels=ids).loss.backward()
+    reported = head.meter.take_loss().item()
+    spec = head.cheap_spec()
+    rounded = torch.nn.functional.linear(spec.restore_rows(captured["h"], None), model.lm_head.weight)
+    shift = softmax_shift_loss(captured["z"].reshape(-1, 64), rounded).item()
+    operand = operand_loss(captured["h"], spec.rounded_copy(captured["h"])).item()
+    # The worst of the saved input's loss and the recomputed softmax's shift, which is the larger here.
+    assert reported == pytest.approx(max(operand, shift), rel=1e-5) and shift > operand
+    head.close()
 
 
 def test_a_block_fp_unit_reports_the_bias_of_a_tile_whose_small_entries_flush_to_zero():

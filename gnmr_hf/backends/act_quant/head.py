@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ...fidelity import softmax_shift_loss, take_rows
 from ...units import DispatchContext
 from .base import _operand_parts, _SwitchedSaves
 from .linear import QuantSavedLinear
@@ -17,6 +18,10 @@ from .saving import SaveCache, SaveSpec
 
 # Logit elements one chunk of the loss holds (16 MiB in float32): at a 32k vocabulary, 131 tokens per chunk.
 LOSS_CHUNK_ELEMENTS = 2**22
+# Rows of the recomputed softmax a measure reads (fewer when `cause_fidelity_rows` is below it; every row when it is
+# 0): each costs a row of the head's GEMM over the whole vocabulary (SmolLM2: 16 rows, 0.45 GFLOP, about a tenth of
+# a second on one CPU thread).
+SOFTMAX_ROWS = 16
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
@@ -107,7 +112,10 @@ class ActQuantHeadUnit(_SwitchedSaves):
     Signal: its weight's gradient (`signal=`)."""
 
     kind = "head"
-    fidelity_bound = "saved input at low_bits: max(relative L2 error / 2, row-sum bias / 0.1)"
+    fidelity_bound = (
+        "saved input at low_bits: max(relative L2 error / 2, row-sum bias / 0.1, total-variation shift of the softmax "
+        "recomputed from it / 0.1)"
+    )
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         from transformers.loss.loss_utils import LOSS_MAPPING
@@ -133,8 +141,16 @@ class ActQuantHeadUnit(_SwitchedSaves):
         logits = QuantSavedLinear.apply(h, m.weight, m.bias, self.current_spec(), self._cache)
         if self.meter.due:
             # Unlike a linear unit's, the copy also feeds the logits the backward recomputes (a GEMM summing along
-            # its rows), so the row-sum bias counts.
-            self.meter.report(*_operand_parts(self, self.cheap_spec(), self._cache, (h,)))
+            # its rows), so the row-sum bias counts; and the softmax of those logits, where the gradient of every
+            # layer below starts, moves as far as the rounding moves it (`softmax_shift_loss`).
+            spec = self.cheap_spec()
+            parts: list[Any] = list(_operand_parts(self, spec, self._cache, (h,)))
+            with torch.no_grad():
+                wanted = self.meter.max_rows
+                rows = self.meter.rows(h, min(wanted, SOFTMAX_ROWS) if wanted else 0)
+                rounded = F.linear(spec.restore_rows(h, rows, self._cache), m.weight, m.bias)
+                parts.append(softmax_shift_loss(take_rows(logits, rows), rounded))
+            self.meter.report(*parts)
         self._inputs[logits] = (h, self.current_spec())
         return logits
 
