@@ -50,6 +50,16 @@ def test_a_built_in_policy_cannot_be_replaced_and_a_registered_one_must_be_a_pol
         register_policy(object)  # type: ignore[arg-type]
 
 
+def _recovery_sets(controller: GNMRController, steps: int, unit: int, spike_step: int) -> list[list[int]]:
+    """The recovery set decided at each step of flat norms, with `unit`'s x20 at `spike_step`."""
+    active = []
+    for step in range(1, steps + 1):
+        norms = torch.ones(controller.num_units, dtype=torch.float64)
+        norms[unit] = 20.0 if step == spike_step else 1.0
+        active.append(controller.observe(norms).active.nonzero().flatten().tolist())
+    return active
+
+
 def test_the_example_policy_is_one_file_and_one_registration_and_decides_as_its_docstring_says():
     sys.path.insert(0, str(ROOT / "examples"))
     try:
@@ -58,12 +68,7 @@ def test_the_example_policy_is_one_file_and_one_registration_and_decides_as_its_
         sys.path.remove(str(ROOT / "examples"))
     assert get_policy("no_lock") is module["NoLockPolicy"]
     config = GNMRConfig(policy="no_lock", policy_options="min_risk=2", max_active=1, min_history=2, window=2)
-    controller = GNMRController(config, 3)
-    active = []
-    for step in range(1, 9):
-        norms = torch.ones(3, dtype=torch.float64)
-        norms[1] = 20.0 if step == 5 else 1.0
-        active.append(controller.observe(norms).active.nonzero().flatten().tolist())
+    active = _recovery_sets(GNMRController(config, 3), steps=8, unit=1, spike_step=5)
     assert active == [[], [], [], [], [1], [], [], []]  # recovered for the one step after its spike: no lock
     with pytest.raises(ValueError, match="min_risk"):
         GNMRController(GNMRConfig(policy="no_lock", policy_options="min_risk=0.5"), 3)
@@ -157,13 +162,8 @@ def test_the_policy_of_the_method_docs_runs_as_shown():
     (snippet,) = re.findall(r"```python\n(.*?)```", section, re.S)
     namespace: dict = {}
     exec(compile(snippet, "docs/method.md", "exec"), namespace)
-    config = GNMRConfig(policy="no_lock", max_active=1, min_history=2, window=2)
-    controller = GNMRController(config, 3)
-    active = []
-    for step in range(1, 8):
-        norms = torch.ones(3, dtype=torch.float64)
-        norms[2] = 20.0 if step == 4 else 1.0
-        active.append(controller.observe(norms).active.nonzero().flatten().tolist())
+    controller = GNMRController(GNMRConfig(policy="no_lock", max_active=1, min_history=2, window=2), 3)
+    active = _recovery_sets(controller, steps=7, unit=2, spike_step=4)
     assert active == [[], [], [], [2], [], [], []] and type(controller.policy) is namespace["NoLockPolicy"]
 
 
