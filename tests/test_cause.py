@@ -144,6 +144,84 @@ def test_an_attention_unit_reports_how_far_its_recomputed_rows_are_from_summing_
     units.close()
 
 
+@pytest.mark.parametrize("cap", [1.0, math.inf])
+def test_an_attention_unit_measures_the_rows_its_backward_uses_after_the_row_cap(cap):
+    from gnmr_hf.backends.act_quant import attention as aq_attention
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = _small_llama()
+    options = {"kinds": ["attention"], "low_bits": 16, "high_bits": 16, "max_row_total": cap}
+    units = find_units(model, "act_quant", include=[r"\.self_attn$"], **options)
+    for unit in units:
+        unit.meter.start()
+    # Layer 0's saved q, k, v read 3x their value: its recomputed logits are 9x the exact ones, rows sum above and
+    # below 1 (layer 1's are exact).
+    inject_fault(units[0], 3.0)
+    seen = []
+    original = aq_attention.row_totals
+
+    def spy(p, *rows):
+        seen.append(p.detach().clone())
+        return original(p, *rows)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(aq_attention, "row_totals", spy)
+        model(input_ids=ids, labels=ids).loss.backward()
+        cheap = units[0].meter.take_loss().item()
+        units[0].enter_recovery()  # the shadow copy of the same forward must read the same rows
+        model(input_ids=ids, labels=ids).loss.backward()
+        recovered = units[0].meter.take_loss().item()
+    # The backward runs layer 1 first: layer 0's rows are the second measured, the shadow copy's the third.
+    assert (seen[0].sum(-1) - 1).abs().max().item() < 1e-4
+    for totals in (seen[1].sum(-1), seen[2].sum(-1)):
+        assert (totals < 0.95).any()  # rows below the cap are kept as they are
+        if cap == math.inf:
+            assert (totals > 1.05).any()  # uncapped: the rows as recomputed
+        else:
+            assert totals.max().item() <= 1.0 + 2e-3  # rows above 1 scaled down to it, as the backward uses them
+    assert recovered == pytest.approx(cheap, rel=1e-5)
+    units.close()
+
+
+@pytest.mark.parametrize("cap", [1.0, math.inf])
+def test_an_attention_units_row_part_is_the_row_sum_loss_of_its_recomputed_rows_capped(cap):
+    from gnmr_hf.backends.act_quant import attention as aq_attention
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    model = _small_llama()
+    (unit,) = find_units(
+        model,
+        "act_quant",
+        include=[r"layers\.0\.self_attn$"],
+        kinds=["attention"],
+        low_bits=16,
+        high_bits=16,
+        max_row_total=cap,
+    )
+    unit.meter.start()
+    inject_fault(unit, 3.0)
+    raw = []
+    original = aq_attention._recomputed_probabilities
+
+    def spy(*args, **kwargs):
+        raw.append(original(*args, **kwargs))
+        return raw[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(aq_attention, "_operand_parts", lambda *args: [])  # the row part alone
+        patch.setattr(aq_attention, "_recomputed_probabilities", spy)
+        model(input_ids=ids, labels=ids).loss.backward()
+    p = raw[-1]  # layer 1's attention (no unit: unquantized) recomputes its rows first, in the backward
+    total = p.sum(-1, keepdim=True)
+    used = p / torch.where(total > cap * (1 + 1e-3), total / cap, 1.0)
+    assert unit.meter.take_loss().item() == pytest.approx(row_sum_loss(used).item(), rel=1e-5)
+    # The cap takes out the excess of the rows above 1, which its backward never uses, and keeps the deficit of those
+    # below: the measure drops with the cap, not to 0.
+    assert 0 < row_sum_loss(used).item() <= row_sum_loss(p).item()
+    assert (row_sum_loss(used) < row_sum_loss(p)).item() == (cap == 1.0)
+    unit.close()
+
+
 def test_the_softmax_shift_is_the_mean_total_variation_between_the_rows_in_units_of_a_tenth():
     same = torch.tensor([[3.0, 1.0, 0.0]])
     assert softmax_shift_loss(same, same).item() == 0.0

@@ -94,6 +94,25 @@ def _recomputed_probabilities(
     return torch.exp((logits - lse.unsqueeze(-1)).clamp(max=0.0))
 
 
+def _used_rows(p: torch.Tensor, renormalize: bool, max_row_total: float) -> torch.Tensor:
+    """The recomputed probabilities as the backward uses them: each row divided by its sum with `renormalize`, else
+    a row whose sum is above `max_row_total` scaled down to it, rows below left as they are.
+
+    Without the cap, d_s = p * (d_p - rowsum(p * d_p)) grows with the row's sum (up to the row's length with every
+    entry capped at 1), and the growth compounds layer over layer in the backward: on SmolLM2-135M (30 layers,
+    logits in the thousands) 4-bit q, k took the gradient norm from 5.4 (exact) to 7.5e27 (float32 norms overflow to
+    inf, the Trainer's clipping zeroes the step), 7e11 with per-token scales; capped at 1, 6.8. A cap of 2 still gave
+    4e4 and of 4 gave 4e16 (docs/act_quant.md). Rows within float rounding of the cap (a faithful path's sum to 1)
+    are left bit for bit. The fidelity measure reads these rows too, on the cheap path and in recovery."""
+    if renormalize:
+        total = p.sum(-1, keepdim=True)
+        return p / torch.where(total > 0, total, 1.0)
+    if max_row_total == math.inf:
+        return p
+    ratio = p.sum(-1, keepdim=True) / max_row_total
+    return p / torch.where(ratio > 1.0 + ROW_TOTAL_SLACK, ratio, 1.0)
+
+
 class QuantSavedAttention(torch.autograd.Function):
     """softmax(q k^T * scaling + mask) v, FlashAttention-style: saves q, k, v as `spec` says and the float32 logsumexp
     of each query row, and recomputes the probabilities in the backward from them.
@@ -159,23 +178,14 @@ class QuantSavedAttention(torch.autograd.Function):
         mask = tensors[1] if ctx.has_mask else None
         groups, scaling = ctx.groups, ctx.scaling
         k_rep, v_rep = _repeat_kv(k, groups), _repeat_kv(v, groups)
-        p = _recomputed_probabilities(q, k_rep, lse, mask, ctx.is_causal, scaling)
+        p = _used_rows(
+            _recomputed_probabilities(q, k_rep, lse, mask, ctx.is_causal, scaling), ctx.renormalize, ctx.max_row_total
+        )
         if ctx.probe is not None:
+            # The rows this backward uses, after the cap: a row the cap scaled down no longer carries its excess
+            # mass into d_s, so measuring it before the cap would call a unit broken for what the path never uses.
             unit, operands, rows = ctx.probe
             unit.meter.report(*operands, row_totals(p, rows))
-        if ctx.renormalize:
-            total = p.sum(-1, keepdim=True)
-            p = p / torch.where(total > 0, total, 1.0)
-        elif ctx.max_row_total != math.inf:
-            # A row the lossy q and k push above max_row_total is scaled down to it; rows below are left as they
-            # are. Without it, d_s = p * (d_p - rowsum(p * d_p)) grows with the row's sum (up to the row's length
-            # with every entry capped at 1), and the growth compounds layer over layer in the backward: on
-            # SmolLM2-135M (30 layers, logits in the thousands) 4-bit q, k took the gradient norm from 5.4 (exact)
-            # to 7.5e27 (float32 norms overflow to inf, the Trainer's clipping zeroes the step), 7e11 with
-            # per-token scales; capped at 1, 6.8. A cap of 2 still gave 4e4 and of 4 gave 4e16 (docs/act_quant.md).
-            # Rows within float rounding of the cap (a faithful path's sum to 1) are left bit for bit.
-            ratio = p.sum(-1, keepdim=True) / ctx.max_row_total
-            p = p / torch.where(ratio > 1.0 + ROW_TOTAL_SLACK, ratio, 1.0)
         d_out = grad_out.float()
         d_v = torch.matmul(p.transpose(-2, -1), d_out)
         d_p = torch.matmul(d_out, v_rep.transpose(-2, -1))
@@ -278,8 +288,8 @@ class ActQuantAttentionUnit(_SavesActivations):
 
     kind = "attention"
     fidelity_bound = (
-        "saved q, k, v at low_bits and the probabilities the backward recomputes from them: max(relative L2 error "
-        "/ 2, row-sum bias / 0.1, mean |row sum - 1| / 0.1)"
+        "saved q, k, v at low_bits and the probabilities the backward recomputes from them, after its row cap: "
+        "max(relative L2 error / 2, row-sum bias / 0.1, mean |row sum - 1| / 0.1)"
     )
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
@@ -323,8 +333,9 @@ class ActQuantAttentionUnit(_SavesActivations):
     ) -> list[Any]:
         """What the cheap path would lose on this forward's q, k, v (measured in recovery, where the backward runs
         on the high_bits copies): the operands' loss and the row sums of the probabilities recomputed from the
-        low_bits q and k, exactly as the cheap path's backward would, at the query positions sampled
-        (`meter.max_rows` rows over batch and heads; all when 0). One extra QK^T per recovered unit, on those rows."""
+        low_bits q and k, exactly as the cheap path's backward would use them (after its row cap), at the query
+        positions sampled (`meter.max_rows` rows over batch and heads; all when 0). One extra QK^T per recovered unit,
+        on those rows."""
         spec = self.cheap_spec()
         b, h, t, d = q.shape
         per_head = -(-self.meter.max_rows // (b * h)) if self.meter.max_rows else 0
@@ -346,7 +357,7 @@ class ActQuantAttentionUnit(_SavesActivations):
         lse = torch.logsumexp(exact, dim=-1)
         lse = torch.where(torch.isneginf(lse), 0.0, lse)
         p = _recomputed_probabilities(q_low, _repeat_kv(k_low, groups), lse, mask, is_causal, scaling, positions, t)
-        return [*operands, row_totals(p)]
+        return [*operands, row_totals(_used_rows(p, self.options.renormalize, self.options.max_row_total))]
 
     def _close(self) -> None:
         self.module.__dict__.pop(_ATTENTION_UNIT, None)
