@@ -32,6 +32,9 @@ _IMPORT_LOGGERS = {
     "torchao": "torchao_float8",
     "torch.utils._pytree": "torchao_float8",
     "bitsandbytes.backends.cpu.ops": "bnb_4bit",
+    # bitsandbytes' CPU 4-bit path fetches its kernel through the `kernels` package at import; kernels >= 0.19.1
+    # logs a publisher-trust warning there whenever the Hub is offline.
+    "kernels": "bnb_4bit",
 }
 
 
