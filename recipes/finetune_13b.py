@@ -36,6 +36,11 @@ arm and whether the base was 8-bit), the Trainer's metrics, and for the gnmr arm
 evaluates it directly (in 8-bit for the int8 and gnmr arms, whose adapters were trained on an 8-bit base, as
 `gnmr_run.json` records).
 
+On a CPU, bitsandbytes (>= 0.47) trains an 8-bit layer by de-quantizing its weight and running a float matmul:
+the input is never rounded to INT8 and `--llm_int8_threshold` is unused in training (evaluation, in eval mode, runs
+LLM.int8()). `--int8_training_kernel llm_int8` runs LLM.int8() in training too, as CUDA does, so that a CPU run
+trains with a GPU run's numerics; `gnmr_run.json` records the choice.
+
 `--check_rank_agreement` (gnmr arm): every optimizer step, all ranks all-gather a digest of the GNMR decision they
 just took and stop with an error at the first step where they differ; rank 0 writes every step's digests to
 `gnmr_rank_agreement.jsonl`. Under DDP the ranks see the same averaged gradients, so they must decide alike; a
@@ -45,6 +50,7 @@ rank that flips another unit would run a different model from then on. docs/reci
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -167,6 +173,15 @@ class FinetuneArguments:
             "speed. Recorded in gnmr_run.json, so that recipes/evaluate.py loads the base the same way."
         },
     )
+    int8_training_kernel: Literal["library", "llm_int8"] = field(
+        default="library",
+        metadata={
+            "help": "int8 and gnmr arms: the 8-bit matmul in training. library: what bitsandbytes picks (LLM.int8() "
+            "on CUDA; on a CPU, bitsandbytes >= 0.47 de-quantizes the weight and runs a float matmul: the input is "
+            "never rounded and --llm_int8_threshold is unused); llm_int8: LLM.int8() on every device, so that a "
+            "CPU run trains with a CUDA run's numerics (gnmr_hf.experiments.models.llm_int8_in_training)."
+        },
+    )
     dataset_name: str | None = field(default=None, metadata={"help": "An instruction dataset on the Hub."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "The split to train on."})
@@ -211,6 +226,10 @@ class FinetuneArguments:
             raise ValueError(
                 f"--llm_int8_threshold must be >= 0 (0.0: pure INT8, 6.0: bitsandbytes' default); "
                 f"got {self.llm_int8_threshold}"
+            )
+        if self.int8_training_kernel not in ("library", "llm_int8"):
+            raise ValueError(
+                f"--int8_training_kernel must be one of library, llm_int8; got {self.int8_training_kernel!r}"
             )
         if self.prompt_template not in ("auto", "chat", "alpaca"):
             raise ValueError(f"--prompt_template must be one of auto, chat, alpaca; got {self.prompt_template!r}")
@@ -573,6 +592,7 @@ def write_run_file(output_dir: str, args: FinetuneArguments) -> Path:
         "arm": args.arm,
         "load_in_8bit": args.arm != "bf16",
         "llm_int8_threshold": args.llm_int8_threshold,
+        "int8_training_kernel": args.int8_training_kernel,
         "preset": args.preset,
     }
     from gnmr_hf.experiments.evaluation import RUN_FILE  # the file evaluation.resolve_model_source reads
@@ -603,7 +623,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if training_args.should_log else logging.WARNING,
     )
     logger.info("Arm %s, preset %s, output_dir %s", args.arm, args.preset, training_args.output_dir)
-    train(training_args, args, gnmr_config)
+    kernel = contextlib.nullcontext()
+    if args.arm != "bf16" and args.int8_training_kernel == "llm_int8":
+        from gnmr_hf.experiments.models import llm_int8_in_training
+
+        kernel = llm_int8_in_training()
+    with kernel:
+        train(training_args, args, gnmr_config)
     return 0
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
@@ -532,3 +533,46 @@ def test_a_module_belongs_to_at_most_one_live_unit(tiny_llama_dir: Path) -> None
         find_units(model, "bnb_int8")
     close_all(units)
     assert len(find_units(model, "bnb_int8")) == len(NAMES)
+
+
+def test_int8_rounds_input_says_which_kernel_bitsandbytes_runs_and_the_meter_follows(tiny_llama_dir: Path) -> None:
+    # bitsandbytes trains on a CPU with MatMul8bitFp (de-quantized weight, float matmul: the input is not rounded)
+    # and evaluates with LLM.int8() (the input rounded per row); the harness's dispatcher runs LLM.int8() in both.
+    from bitsandbytes.autograd import _functions
+
+    from gnmr_hf.backends.bnb import int8_rounds_input
+    from gnmr_hf.experiments.models import llm_int8_in_training
+    from gnmr_hf.fidelity import loss_of
+
+    model = load_int8_lora(tiny_llama_dir)
+    units = find_units(model, "bnb_int8")
+    unit = units[0]
+    module = unit.module
+    x = torch.randn(8, module.in_features, generator=torch.Generator().manual_seed(0))
+    x[:, 3] = 20.0  # an outlier column: above bitsandbytes' default threshold 6.0
+
+    def run(training: bool) -> tuple[torch.Tensor, bool, float]:
+        module.train(training)
+        with torch.no_grad():
+            out = module(x)
+        return out, int8_rounds_input(module, x), float(loss_of(unit.input_fidelity(x)))
+
+    with torch.no_grad():
+        run(False)  # the first forward moves the row scales to module.state
+        dequantized = module.state.CB.float() * (module.state.SCB.float().unsqueeze(1) / 127)
+        float_matmul = F.linear(x, dequantized, module.bias)
+    trained, rounds_in_training, loss_in_training = run(True)
+    evaluated, rounds_in_eval, loss_in_eval = run(False)
+    assert hasattr(_functions, "MatMul8bitFp")
+    torch.testing.assert_close(trained, float_matmul, rtol=1e-5, atol=1e-5)
+    assert (evaluated - float_matmul).norm() > 1e-3 * float_matmul.norm()  # the input really was rounded
+    assert (rounds_in_training, rounds_in_eval) == (False, True)
+    assert loss_in_training == 0.0 and loss_in_eval > 0.0
+
+    library = bnb.matmul
+    with llm_int8_in_training():
+        trained_lt, rounds_lt, loss_lt = run(True)
+    assert bnb.matmul is library
+    assert torch.equal(trained_lt, evaluated)
+    assert rounds_lt and loss_lt == loss_in_eval
+    close_all(units)

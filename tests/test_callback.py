@@ -135,7 +135,9 @@ def test_a_spike_in_the_first_layer_is_caught_under_reentrant_checkpointing(tiny
         **CHECKPOINTING["reentrant"],
     )
     trainer.train()
-    assert trainer.model.is_gradient_checkpointing
+    # transformers 5.25 renamed the property (the old name warns); the package accepts transformers >= 5.0.
+    model = trainer.model
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
     steps = {r["step"]: r for r in steps_of(tmp_path)}
     idx = [u.name for u in gnmr_of(trainer).units].index(first)
     assert all(r["n_scored"] == len(gnmr_of(trainer).units) for s, r in steps.items() if s > CFG["min_history"])

@@ -80,6 +80,8 @@ def test_a_bad_arm_name_in_python_is_an_error_that_names_the_flag_and_the_arms()
         recipe().FinetuneArguments(arm="fp8")
     with pytest.raises(ValueError, match=r"--llm_int8_threshold must be >= 0 .*; got -1.0"):
         recipe().FinetuneArguments(arm="int8", llm_int8_threshold=-1.0)
+    with pytest.raises(ValueError, match=r"--int8_training_kernel must be one of library, llm_int8; got 'fp'"):
+        recipe().FinetuneArguments(arm="int8", int8_training_kernel="fp")
 
 
 def test_a_bad_arm_name_on_the_command_line_lists_the_arms(capsys):
@@ -188,17 +190,27 @@ def test_examples_cut_before_their_response_are_dropped():
     assert len(data) == 1 and _response(data[0], tokenizer) == "ok<eos>"
 
 
+def bnb_matmul():
+    import bitsandbytes
+
+    return bitsandbytes.matmul
+
+
 @pytest.fixture(scope="module")
 def arms(tmp_path_factory) -> dict[str, Path]:
     """A smaller slice of the tiny preset for each arm, in this process: 2 steps for int8 and bf16, STEPS for gnmr,
     which checks rank agreement with itself (one rank) and has thresholds low enough to flip units."""
     root = tmp_path_factory.mktemp("arms")
     for arm in ("int8", "gnmr", "bf16"):
-        # The int8 arm runs pure INT8 (no LLM.int8() outlier decomposition), as users set it for speed.
-        extra = ["--max_steps", "2", *(["--llm_int8_threshold", "0"] if arm == "int8" else [])]
+        # The int8 arm runs pure INT8 (no LLM.int8() outlier decomposition), as users set it for speed, and with
+        # LLM.int8() in training, as on CUDA; the recipe puts bitsandbytes' own dispatcher back when it ends.
+        pure = ["--llm_int8_threshold", "0", "--int8_training_kernel", "llm_int8"]
+        extra = ["--max_steps", "2", *(pure if arm == "int8" else [])]
         if arm == "gnmr":
             extra = ["--max_steps", str(STEPS), *ACTIVE_GNMR, "--check_rank_agreement"]
+        library = bnb_matmul()
         assert recipe().main(["--arm", arm, *SLICE, *extra, "--output_dir", str(root / arm)]) == 0
+        assert bnb_matmul() is library
     return {arm: root / arm for arm in ("int8", "gnmr", "bf16")}
 
 
@@ -210,6 +222,7 @@ def test_each_arm_writes_its_adapter_tokenizer_and_run_file(arms):
         assert run["base_model"] == str((out / "base_model").resolve())
         assert (run["arm"], run["load_in_8bit"], run["adapter"]) == (arm, arm != "bf16", ".")
         assert run["llm_int8_threshold"] == (0.0 if arm == "int8" else 6.0)
+        assert run["int8_training_kernel"] == ("llm_int8" if arm == "int8" else "library")
         assert json.loads((out / "train_results.json").read_text())["train_loss"] > 0
         assert (out / "gnmr_trace.jsonl").exists() == (arm == "gnmr")
 

@@ -151,6 +151,10 @@ class BnbInt8Unit(BnbUnit):
     )
 
     def input_fidelity(self, x: torch.Tensor) -> OperandStats:
+        if not int8_rounds_input(self.module, x):
+            # The kernel this forward runs never rounds its input: the input loses nothing.
+            rows = take_rows(x.detach(), self.meter.rows(x))
+            return operand_stats(rows, rows)
         threshold = float(getattr(self.module.state, "threshold", 0.0) or 0.0)
         return int8_input_stats(x, threshold, self.meter.rows(x))
 
@@ -207,6 +211,25 @@ class Bnb4bitUnit(BnbUnit):
             raise RuntimeError(f"bnb_4bit unit {self.name!r}: cannot dequantize: {problem}")
         # Reads the packed codes and the quant state; the nested absmax is dequantized into a new tensor.
         return bnb_functional.dequantize_4bit(self.module.weight.data, self.module.weight.quant_state)
+
+
+def int8_rounds_input(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the forward of the `Linear8bitLt` `module` on `x` rounds `x` to INT8, as LLM.int8() does.
+
+    bitsandbytes' own dispatcher (`bitsandbytes.matmul`) runs LLM.int8() (`MatMul8bitLt`) everywhere but in training
+    on a CPU or an XPU, where bitsandbytes >= 0.47 runs `MatMul8bitFp`: the INT8 weight de-quantized, then a float
+    matmul, the input never rounded and the outlier threshold unused. On those devices a training step's INT8 error is
+    the weight's alone. A dispatcher put in bitsandbytes' place (`gnmr_hf.experiments.models.llm_int8_in_training`
+    runs LLM.int8() in training on a CPU, as on CUDA) is taken to round the input. This mirrors
+    `bitsandbytes.autograd._functions.matmul`, which reads `module.training` when the forward starts;
+    tests/test_bnb_backend.py checks it against bitsandbytes' outputs.
+    """
+    import bitsandbytes as bnb
+    from bitsandbytes.autograd import _functions
+
+    own_dispatch = bnb.matmul is getattr(_functions, "matmul", None)
+    float_kernel = hasattr(_functions, "MatMul8bitFp")
+    return not (own_dispatch and float_kernel and module.training and x.device.type in ("cpu", "xpu"))
 
 
 def int8_input_loss(x: torch.Tensor, threshold: float, index: torch.Tensor | None = None) -> torch.Tensor:

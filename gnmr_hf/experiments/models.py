@@ -21,12 +21,14 @@ massive activations), not the published model bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ __all__ = [
     "cache_dir",
     "check_model",
     "convert_gguf",
+    "llm_int8_in_training",
     "load_real_model",
     "resolve_model",
 ]
@@ -88,6 +91,42 @@ def _quiet_cast_message() -> None:
     log = logging.getLogger("bitsandbytes.autograd._functions")
     if not any(isinstance(f, _FirstCastMessage) for f in log.filters):
         log.addFilter(_FirstCastMessage())
+
+
+@contextlib.contextmanager
+def llm_int8_in_training() -> Iterator[None]:
+    """Inside it, every bitsandbytes 8-bit matmul of this process is LLM.int8() (`MatMul8bitLt`), in training too.
+
+    bitsandbytes >= 0.47 trains a `Linear8bitLt` on a CPU or an XPU with `MatMul8bitFp`: the INT8 weight
+    de-quantized, then a float matmul, so the input is never rounded and the outlier threshold is unused. On CUDA,
+    and on any device in evaluation, it runs LLM.int8(): the input rounded to INT8 per row, the columns with an
+    entry above `llm_int8_threshold` in 16 bits. This puts a dispatcher in bitsandbytes' place (`bitsandbytes.matmul`,
+    which `Linear8bitLt.forward` calls) that always takes the second, and puts bitsandbytes' own back on exit: a CPU
+    run then trains with the numerics of a CUDA run, and no slower (SmolLM2 INT8 LoRA, 4 x 128 tokens, one thread:
+    4.1 s a step against 4.6 s). For the harness only; `gnmr_hf.backends.bnb.int8_rounds_input` sees it.
+    """
+    import bitsandbytes as bnb
+    from bitsandbytes.autograd import _functions
+
+    def matmul(
+        A: torch.Tensor,
+        B: torch.Tensor,
+        out: torch.Tensor | None = None,
+        state: Any = None,
+        threshold: float = 0.0,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # bitsandbytes.autograd._functions.matmul without its CPU/XPU training branch.
+        state = state or _functions.MatmulLtState()
+        if threshold > 0.0:
+            state.threshold = threshold
+        return _functions.MatMul8bitLt.apply(A, B, out, bias, state)
+
+    previous, bnb.matmul = bnb.matmul, matmul
+    try:
+        yield
+    finally:
+        bnb.matmul = previous
 
 
 @dataclass(frozen=True)
