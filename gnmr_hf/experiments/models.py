@@ -122,6 +122,7 @@ def llm_int8_in_training() -> Iterator[None]:
             state.threshold = threshold
         return _functions.MatMul8bitLt.apply(A, B, out, bias, state)
 
+    _quiet_cast_message()  # LLM.int8() warns on every call whose input is not fp16: a CPU run's is fp32
     previous, bnb.matmul = bnb.matmul, matmul
     try:
         yield
