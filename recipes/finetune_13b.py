@@ -13,7 +13,9 @@ Four arms train the same LoRA adapters (peft) on the same instruction data with 
 - `--arm int8`: the base loaded in 8-bit (bitsandbytes `load_in_8bit`), every linear layer on the INT8 path, always;
 - `--arm gnmr`: the same INT8 base under GNMR (`GNMRTrainer`): at most `--max_active` layers at a time run a BF16
   matmul for a few steps when their gradient norm spikes against their own history, then go back to INT8;
-- `--arm gnmr_cause`: the same under GNMR's cause policy (`policy="cause"`, docs/method.md);
+- `--arm gnmr_cause`: the same under GNMR's cause policy (`policy="cause"`, docs/method.md); `--arm gnmr` with
+  `--policy random --policy_options mean_active=M` (or another baseline of `gnmr_hf.experiments.baselines`) runs a
+  baseline over the same units;
 - `--arm bf16`: the reference, a BF16 base (fp32 on a CPU).
 
 Flags come from `HfArgumentParser` over `TrainingArguments`, this recipe's `FinetuneArguments` and `GNMRConfig`
@@ -302,7 +304,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainingArguments, Fi
         fail(message)
     if remaining:
         fail(unrecognized(parser, remaining))
+    # The baselines are policies too (random, a fixed set, first/last layers: gnmr_hf.experiments.baselines):
+    # importing them lets the gnmr arm run one over the very same units, `--policy random --policy_options ...`.
+    import gnmr_hf.experiments.baselines  # noqa: F401
+
     check_config(gnmr_config)
+    if finetune_args.arm == "gnmr_cause" and gnmr_config.policy not in ("paper", "cause"):
+        fail(f"--policy {gnmr_config.policy}: the gnmr_cause arm runs policy=cause; use --arm gnmr with --policy")
     checkpoint = training_args.resume_from_checkpoint
     # The Trainer reads trainer_state.json from the folder it resumes from, after the model is loaded.
     if checkpoint is not None and not (Path(checkpoint) / "trainer_state.json").is_file():

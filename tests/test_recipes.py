@@ -332,3 +332,19 @@ def test_the_13b_preset_on_a_cpu_points_at_the_tiny_preset(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
     assert "bf16" in err and "`--preset tiny` runs this recipe on a CPU" in err
+
+
+def test_the_gnmr_arm_runs_a_baseline_policy_over_the_same_units_and_gnmr_cause_refuses_one(tmp_path, capsys):
+    # The random baseline at GNMR's budget, as docs/results.md runs it on SmolLM2: one unit of 14 every step.
+    out = tmp_path / "random"
+    argv = ["--arm", "gnmr", *SLICE, "--max_steps", "3", "--policy", "random"]
+    assert recipe().main([*argv, "--policy_options", "mean_active=1,seed=0", "--output_dir", str(out)]) == 0
+    header = json.loads((out / "gnmr_trace.jsonl").read_text().splitlines()[0])
+    assert header["config"]["policy"] == "random"
+    summary = json.loads((out / "gnmr_summary.json").read_text())
+    assert summary["recovery_fraction"] == pytest.approx(1 / summary["units"])
+    capsys.readouterr()  # the run's own log
+    with pytest.raises(SystemExit) as stop:
+        recipe().parse_args(["--arm", "gnmr_cause", "--preset", "tiny", "--policy", "random"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --policy random: the gnmr_cause arm runs policy=cause")
