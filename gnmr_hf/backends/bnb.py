@@ -222,7 +222,7 @@ def int8_rounds_input(module: nn.Module, x: torch.Tensor) -> bool:
     the weight's alone. A dispatcher put in bitsandbytes' place (`gnmr_hf.experiments.models.llm_int8_in_training`
     runs LLM.int8() in training on a CPU, as on CUDA) is taken to round the input. This mirrors
     `bitsandbytes.autograd._functions.matmul`, which reads `module.training` when the forward starts;
-    tests/test_bnb_backend.py checks it against bitsandbytes' outputs.
+    tests/test_bnb.py checks it against bitsandbytes' outputs.
     """
     import bitsandbytes as bnb
     from bitsandbytes.autograd import _functions
