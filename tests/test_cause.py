@@ -18,6 +18,7 @@ from gnmr_hf.backends.bnb import int8_input_loss
 from gnmr_hf.backends.torchao import float8_input_loss
 from gnmr_hf.cli import main as cli_main
 from gnmr_hf.experiments.faults import ScaleFault, inject_fault
+from gnmr_hf.experiments.models import llm_int8_in_training
 from gnmr_hf.experiments.pretrain import build_model, llama_config
 from gnmr_hf.fidelity import (
     Pending,
@@ -1004,7 +1005,13 @@ def test_resume_with_the_cause_policy_gives_identical_decisions(
 ):
     # Every measured loss is suspect here, so the injected spike at step 4 puts its family's lossiest unit in
     # recovery and holds it across the checkpoint.
-    # 8 rows of each input measured: the resumed run must read the rows the uninterrupted one read.
+    # 8 rows of each input measured: the resumed run must read the rows the uninterrupted one read. LLM.int8() in
+    # training, as on a GPU: bitsandbytes' CPU training kernel rounds no input, and there would be nothing to measure.
+    with llm_int8_in_training():
+        _resume_with_the_cause_policy(tiny_llama_dir, dataset, tmp_path, restore_callback_states)
+
+
+def _resume_with_the_cause_policy(tiny_llama_dir, dataset, tmp_path, restore_callback_states):
     config = GNMRConfig(
         max_active=2, lock_steps=3, window=3, min_history=3, alpha=4.0, beta=4.0, policy="cause", cause_suspect=1e-6,
         cause_fidelity_rows=8,

@@ -7,13 +7,15 @@ An 8-bit LoRA tiny LLaMA, gradient accumulation 2, and a x100 spike in rank 0's 
 that fires on rank 0 alone), trained twice. `lora`: LoRA on every projection, units scored on their LoRA
 gradients (averaged by DDP). `meters`: LoRA on q_proj/v_proj only, so most units are scored on their output
 gradient, which each rank meters on its own data and GNMR sums across ranks. `cause`: as `lora` with
-policy="cause", whose fidelity each rank measures on its own micro-batches and GNMR averages across ranks. Each
-rank writes the norms it read
+policy="cause", whose fidelity each rank measures on its own micro-batches and GNMR averages across ranks; it trains
+with LLM.int8(), a GPU's kernel (`llm_int8_in_training`), since bitsandbytes' CPU training kernel rounds no input and
+leaves nothing to measure. Each rank writes the norms it read
 and its decisions, step by step, to OUT_DIR/{mode}_rank{R}.json; the test compares the ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -70,7 +72,10 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
     trainer = Trainer(
         model=model, args=args, train_dataset=data, callbacks=[gnmr, LocalSpike(spiked, 6, rank), Record()]
     )
-    trainer.train()
+    from gnmr_hf.experiments.models import llm_int8_in_training
+
+    with llm_int8_in_training() if mode == "cause" else contextlib.nullcontext():
+        trainer.train()
     assert torch.distributed.get_world_size() == 2
     with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
         json.dump(
