@@ -102,8 +102,8 @@ def llm_int8_in_training() -> Iterator[None]:
     and on any device in evaluation, it runs LLM.int8(): the input rounded to INT8 per row, the columns with an
     entry above `llm_int8_threshold` in 16 bits. This puts a dispatcher in bitsandbytes' place (`bitsandbytes.matmul`,
     which `Linear8bitLt.forward` calls) that always takes the second, and puts bitsandbytes' own back on exit: a CPU
-    run then trains with the numerics of a CUDA run, and no slower (SmolLM2 INT8 LoRA, 4 x 128 tokens, one thread:
-    4.1 s a step against 4.6 s). For the harness only; `gnmr_hf.backends.bnb.int8_rounds_input` sees it.
+    run then trains with the numerics of a CUDA run, and no slower (SmolLM2 INT8 LoRA, one thread: 2.4-3.6 s a step
+    against 3.0 s, docs/results.md). For the harness only; `gnmr_hf.backends.bnb.int8_rounds_input` sees it.
     """
     import bitsandbytes as bnb
     from bitsandbytes.autograd import _functions
