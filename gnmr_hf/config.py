@@ -13,6 +13,7 @@ import math
 import numbers
 import re
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import PurePath
 from typing import Any
 
 from .options import parse_options_text
@@ -220,6 +221,14 @@ class GNMRConfig:
         if not isinstance(self.trace_file, str):
             raise TypeError(
                 f"GNMRConfig.trace_file must be a file name (a str; '' writes no trace), got {self.trace_file!r}"
+            )
+        trace = PurePath(self.trace_file)
+        if trace.is_absolute() or trace.anchor or ".." in trace.parts:
+            # The trace is part of the run's record: it lives with the run's checkpoints and summary, where a resume
+            # and `gnmr-hf report RUN_FOLDER` find it, and a second run never writes over another folder's.
+            raise ValueError(
+                "GNMRConfig.trace_file must be a path inside the Trainer's output_dir (a file name, or a relative "
+                f"path without '..'; '' writes no trace), got {self.trace_file!r}"
             )
         for name in ("include", "exclude"):
             value = getattr(self, name)

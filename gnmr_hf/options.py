@@ -85,18 +85,29 @@ def parse_options_text(options: Mapping[str, Any] | str | None, what: str) -> di
         return {}
     if text.startswith("{"):
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=lambda pairs: _unique(pairs, what, text))
         except json.JSONDecodeError as err:
             raise ValueError(f"{what}: {text!r} is not a valid JSON object: {err}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{what}: {text!r} is not a JSON object")
         return data
-    data = {}
+    pairs = []
     for item in text.split(","):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"{what}: {item!r} in {text!r} is not 'key=value' (separate several with commas)")
-        data[key.strip()] = value.strip()
+        pairs.append((key.strip(), value.strip()))
+    return _unique(pairs, what, text)
+
+
+def _unique(pairs: list[tuple[str, Any]], what: str, text: str) -> dict[str, Any]:
+    """`dict(pairs)`, refusing a key given twice: `dict` (and `json.loads`) would keep the last value silently, so
+    `source=auto,source=checkpoint` would run with one of two values the user wrote."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ValueError(f"{what}: option {key!r} is given twice in {text!r}; give each option once")
+        data[key] = value
     return data
 
 

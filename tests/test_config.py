@@ -169,3 +169,19 @@ def test_backend_options_come_from_the_command_line_beside_training_arguments():
     config, _ = HfArgumentParser((GNMRConfig, TrainingArguments)).parse_args_into_dataclasses(args=args)
     assert config.backend_options == {"source": "dequantize", "signal": "lora"} and config.max_active == 3
     assert GNMRConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("path", ["../x.jsonl", "runs/../../x.jsonl", "/tmp/x.jsonl"])
+def test_a_trace_file_outside_output_dir_is_refused_naming_the_field(path):
+    with pytest.raises(ValueError, match=r"GNMRConfig\.trace_file must be a path inside the Trainer's output_dir"):
+        GNMRConfig(trace_file=path)
+
+
+def test_a_trace_file_in_a_subfolder_of_output_dir_is_accepted():
+    assert GNMRConfig(trace_file="traces/gnmr_trace.jsonl").trace_file == "traces/gnmr_trace.jsonl"
+
+
+@pytest.mark.parametrize("text", ["source=auto,source=checkpoint", '{"source": "auto", "source": "checkpoint"}'])
+def test_an_option_given_twice_is_refused_naming_it(text):
+    with pytest.raises(ValueError, match=r"GNMRConfig\.backend_options: option 'source' is given twice"):
+        GNMRConfig(backend_options=text)
