@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import pkgutil
 import re
 from collections import Counter
@@ -25,7 +26,11 @@ from .units import Backend, DispatchContext, RecoverableUnit, RecoveryLedger, Un
 
 __all__ = ["find_units", "get_backend", "known_backends", "register_backend"]
 
+logger = logging.getLogger("gnmr_hf")
+
 _REGISTERED: dict[str, Backend] = {}
+# How many unit names a message lists before it gives only their count.
+_SHOWN = 5
 
 
 @cache
@@ -101,7 +106,9 @@ def find_units(
     Args:
         backend: a backend's name ("bnb_int8", ... or one given to `register_backend`) or the `Backend` itself.
         include / exclude: regexes searched in the unit's name (`display_name`, e.g.
-            ``model.layers.0.self_attn.q_proj``); a unit must match some include and no exclude.
+            ``model.layers.0.self_attn.q_proj``); a unit must match some include and no exclude. A pattern with no
+            effect (an include that selects no unit, an exclude that matches no module include lets through) is
+            logged as a warning that names it.
         module_filter_fn: `fn(module, fqn) -> bool` on the raw module and its full name, as in torchao.
         backend_options / **options: the backend's options, as one value (a dict, JSON or ``key=value,...``
             text, or a parsed instance) or as keywords; not both.
@@ -110,7 +117,8 @@ def find_units(
         A `UnitSet`: the units, their shared `ledger`, their `names`, and `close()`.
 
     Raises:
-        ValueError: when no module matches (listing the module types the model has, and the backend's hint),
+        ValueError: when no module matches (listing the module types the model has, the backend's hint, and with
+            include the first unit names its patterns are searched in),
             when two units would share a name, or when an option is invalid. A failure leaves the model as found.
     """
     spec = get_backend(backend) if isinstance(backend, str) else backend
@@ -121,20 +129,30 @@ def find_units(
     model = unwrap_model(model)
     ledger = RecoveryLedger()
     units: list[RecoverableUnit] = []
+    # The patterns that took part: an include that selected a unit, an exclude that kept a module out. One that did
+    # neither is most likely a typo, and a filter that silently does nothing is how a carve-out gets lost.
+    included: set[int] = set()
+    excluded: set[int] = set()
+    ctx: DispatchContext | None = None
     if spec.requires is None or _available(spec.requires):
         ctx = DispatchContext(model, spec.name, parsed, ledger, tuner_layers(model))
         try:
             for fqn, module in model.named_modules():
                 name = display_name(fqn)
-                if inc is not None and not any(p.search(name) for p in inc):
+                matched = [i for i, p in enumerate(inc) if p.search(name)] if inc is not None else []
+                if inc is not None and not matched:
                     continue
-                if exc is not None and any(p.search(name) for p in exc):
-                    continue
+                if exc is not None:
+                    hits = [i for i, p in enumerate(exc) if p.search(name)]
+                    excluded.update(hits)
+                    if hits:
+                        continue
                 if module_filter_fn is not None and not module_filter_fn(module, fqn):
                     continue
                 unit_cls = spec.unit_for(module, ctx)
                 if unit_cls is not None:
                     units.append(unit_cls(name, module, ctx))
+                    included.update(matched)
             duplicates = sorted(n for n, c in Counter(u.name for u in units).items() if c > 1)
             if duplicates:
                 raise ValueError(f"find_units: several units share the names {duplicates}; unit names must be unique")
@@ -145,21 +163,54 @@ def find_units(
                 unit.close()
             raise
     if not units:
-        raise ValueError(_no_units_message(model, spec, include, exclude, module_filter_fn))
+        candidates = _candidate_names(model, spec, ctx) if inc is not None and ctx is not None else []
+        raise ValueError(_no_units_message(model, spec, include, exclude, module_filter_fn, candidates))
+    for kind, patterns, used in (("include", inc, included), ("exclude", exc, excluded)):
+        for i, pattern in enumerate(patterns or ()):
+            if i not in used:
+                logger.warning(
+                    "find_units: %s pattern %r %s, so it has no effect (is it a typo?); unit names look like %r",
+                    kind,
+                    pattern.pattern,
+                    "matches no unit" if kind == "include" else "matches no module that include lets through",
+                    units[0].name,
+                )
     return UnitSet(units, spec, ledger)
 
 
-def _no_units_message(model: nn.Module, spec: Backend, include: Any, exclude: Any, module_filter_fn: Any) -> str:
+def _candidate_names(model: nn.Module, spec: Backend, ctx: DispatchContext) -> list[str]:
+    """The names of the modules `spec` would make units of, with no filter: what include's patterns are matched
+    against. For a message only: a module the backend refuses (a quantized layer for `act_quant`) is left out."""
+    names = []
+    for fqn, module in model.named_modules():
+        try:
+            if spec.unit_for(module, ctx) is not None:
+                names.append(display_name(fqn))
+        except Exception:  # the backend's refusal of one module is not this message's subject
+            continue
+    return names
+
+
+def _no_units_message(
+    model: nn.Module, spec: Backend, include: Any, exclude: Any, module_filter_fn: Any, candidates: list[str]
+) -> str:
     seen = Counter(type(m).__module__ + "." + type(m).__name__ for _, m in model.named_modules())
     listing = ", ".join(f"{name} x{count}" for name, count in sorted(seen.items()))
     filters = [f"include={include!r}"] if include is not None else []
     filters += [f"exclude={exclude!r}"] if exclude is not None else []
     filters += ["module_filter_fn"] if module_filter_fn is not None else []
     missing = spec.requires is not None and not _available(spec.requires)
+    shown = ", ".join(repr(n) for n in candidates[:_SHOWN]) + (", ..." if len(candidates) > _SHOWN else "")
     return (
         f"find_units: no module of the model is a {spec.name!r} unit"
         + (f" after filtering with {', '.join(filters)}" if filters else "")
         + (f" ({spec.requires} is not installed)" if missing else "")
+        + (
+            f". include's patterns are searched in the unit names, and without filters this model has "
+            f"{len(candidates)} {spec.name!r} units: {shown}"
+            if candidates
+            else ""
+        )
         + f". Module types seen: {listing}."
         + (f" {spec.hint}" if spec.hint else "")
         + f" Known backends: {list(known_backends())}."

@@ -57,6 +57,33 @@ def test_no_match_lists_the_module_types_seen(toy_backend):
         find_units(model(), toy_backend, include=["nothing"])
 
 
+def test_an_include_that_matches_nothing_lists_the_unit_names_it_is_matched_against(toy_backend):
+    with pytest.raises(ValueError, match=r"without filters this model has 3 'toy' units: '0', '2\.0', '3'\."):
+        find_units(model(), toy_backend, include=["nothing"])
+
+
+def test_an_include_pattern_that_selects_no_unit_is_a_warning_naming_it(toy_backend, caplog):
+    with caplog.at_level("WARNING", logger="gnmr_hf"):
+        units = find_units(model(), toy_backend, include=[r"^2\.0$", "typo_proj$"])
+    assert [u.name for u in units] == ["2.0"]
+    (record,) = caplog.records
+    assert "include pattern 'typo_proj$' matches no unit" in record.getMessage()
+
+
+def test_an_exclude_pattern_that_matches_no_module_is_a_warning_naming_it(toy_backend, caplog):
+    with caplog.at_level("WARNING", logger="gnmr_hf"):
+        units = find_units(model(), toy_backend, exclude=["^3$", "lm_headd"])
+    assert [u.name for u in units] == ["0", "2.0"]
+    (record,) = caplog.records
+    assert "exclude pattern 'lm_headd' matches no module" in record.getMessage()
+
+
+def test_patterns_that_all_take_part_warn_of_nothing(toy_backend, caplog):
+    with caplog.at_level("WARNING", logger="gnmr_hf"):
+        units = find_units(model(), toy_backend, include=["^2", "^3$"], exclude=[r"^2\.1$"])
+    assert [u.name for u in units] == ["2.0", "3"] and not caplog.records
+
+
 def test_unknown_backend_names_the_known_ones():
     known = r"known backends are \['act_quant', 'block_fp', 'bnb_int8'"
     with pytest.raises(ValueError, match=r"unknown backend 'nope'; " + known):
