@@ -1,9 +1,11 @@
 """Low-bit numerics shared by the backends, written once: absmax integers with bit packing (`quantize_absmax`, the
 saved inputs of `act_quant`) and block-scaled low-bit floats (`round_to_format`, `quantize_blocks`: FP4/FP6 MX
-element types and FP8 with DeepSeek-V3 or MX scales, for `block_fp`). Plain tensor functions; ties to even,
-saturation instead of inf, NaN and inf kept visible. Written by hand where no maintained library rounds FP4/FP6
-exactly with public API (torchao's is private prototype code that turns NaN into 1.5). Every decision, its test
-and its cost: docs/quant.md.
+element types and FP8 with DeepSeek-V3, MX or NVFP4 scales, and the 16x16 random Hadamard rotation of NVIDIA's NVFP4
+recipe, for `block_fp`). Plain tensor functions; ties to even (or stochastic rounding, on request), saturation
+instead of inf, NaN and inf kept visible in their own block. Libraries now round the same values on finite inputs
+(ml_dtypes for FP4/FP6, torchao for NVFP4, MX and FP8 blocks; the tests compare bit for bit): this module stays for
+what they do not give, one blown-up block that stays in its block, all-zero blocks that stay zero, any shape, on the
+tensor's device. Every decision, its test and its cost: docs/quant.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ __all__ = [
     "quantize_absmax",
     "quantize_blocks",
     "quantized_nbytes",
+    "random_hadamard",
+    "rotate_rows",
     "round_to_format",
     "unpack_codes",
 ]
@@ -370,19 +374,38 @@ def _get_format(where: str, fmt: Any) -> FloatFormat:
     return FORMATS[fmt]
 
 
-def _round_(v: torch.Tensor, f: FloatFormat) -> torch.Tensor:
+def _quanta(v: torch.Tensor, f: FloatFormat) -> torch.Tensor:
+    """The spacing of `f`'s values around each value of float32 `v`: 2**(max(e, emin) - man_bits), e = v's exponent.
+
+    Built as float32 bits: keep v's exponent field, clamp it at emin's and subtract man_bits. For inf/NaN (field
+    255) it is a finite power of two, so a NaN stays NaN through v / q."""
+    q_bits = (v.view(torch.int32) & _F32_EXP_MASK).clamp_(min=(f.emin + _F32_BIAS) << _F32_MAN_BITS)
+    return q_bits.sub_(f.man_bits << _F32_MAN_BITS).view(torch.float32)
+
+
+def _round_(
+    v: torch.Tensor, f: FloatFormat, stochastic: bool = False, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Round float32 `v` to format `f` in place and return it: saturating (so +-inf becomes +-max), NaN stays NaN.
+
+    stochastic: to one of the two neighbours, the upper one with probability (v - lower) / (upper - lower), so that
+    the expected result is v for every v within +-max: v is clamped first (a saturated value is biased, as in
+    hardware), then floor(v / q + U[0, 1)) * q, with q `_quanta` (max is a multiple of its binade's q, so nothing
+    lands above it). float32 noise in [0, 1) has 24 bits, which leaves a bias below 2**-20 quanta.
 
     In place because on a CPU every fresh tensor above glibc's mmap threshold (32 MiB) is page-faulted in anew,
     which costs more than the arithmetic: on 4096 x 4096 float32, `x * 2` takes ~50 ms, `x.mul_(2)` ~4 ms.
     """
+    if stochastic:
+        # By hand for the FP8 formats too (the float8 casts only round to nearest): the same bit-level method
+        # reproduces those casts exactly (tests/test_quant.py).
+        q = _quanta(v.clamp_(-f.max_finite, f.max_finite), f)
+        noise = torch.rand(v.shape, generator=generator, device=v.device)
+        return v.div_(q).add_(noise).floor_().mul_(q)
     if f.torch_dtype is not None:
         # copy_ converts the float8 tensor back into v's own memory instead of a new float32 tensor.
         return v.copy_(v.clamp_(-f.max_finite, f.max_finite).to(f.torch_dtype))
-    # The quantum 2**(max(e, emin) - man_bits) as float32 bits: keep v's exponent field, clamp it at emin's and
-    # subtract man_bits. For inf/NaN (field 255) it is a finite power of two, so a NaN stays NaN.
-    q_bits = v.view(torch.int32) & _F32_EXP_MASK
-    q = q_bits.clamp_(min=(f.emin + _F32_BIAS) << _F32_MAN_BITS).sub_(f.man_bits << _F32_MAN_BITS).view(torch.float32)
+    q = _quanta(v, f)
     return v.div_(q).round_().mul_(q).clamp_(-f.max_finite, f.max_finite)
 
 
@@ -408,6 +431,11 @@ def _check_block(block: Any) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
+SCALES = ("fp32", "pow2", "nvfp4")
+# NVFP4's second level: the block scales are E4M3 numbers, in units of an FP32 scale per tensor.
+_E4M3 = FORMATS["e4m3"]
+
+
 def quantize_blocks(
     x: torch.Tensor,
     fmt: str,
@@ -415,32 +443,41 @@ def quantize_blocks(
     *,
     scale: str = "fp32",
     return_scales: bool = False,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fake-quantize `x` to `fmt` with one scale per block: round_to_format(x / s, fmt) * s, in float32.
 
     x is viewed as 2-D, leading dimensions flattened into rows (a 1-D x is one row). block: (rows, columns) of a
     block; None means (1, 128) for scale="fp32" (DeepSeek-V3's activation/gradient tiles; pass (128, 128) for
-    weights) and (1, 32) for scale="pow2" (MX). A shape that the block does not divide is zero-padded internally:
-    the ragged last blocks get their own scales from their real elements.
+    weights), (1, 32) for scale="pow2" (MX) and (1, 16) for scale="nvfp4". A shape that the block does not divide
+    is zero-padded internally: the ragged last blocks get their own scales from their real elements.
 
-    scale: "fp32" for s = amax / max_finite in float32, or "pow2" for the MX v1.0 E8M0 scale
-    s = 2**(floor(log2(amax)) - emax), clamped below at 2**-127 as E8M0 is. A block of zeros (or one whose fp32
-    scale underflows to 0) gets s = 1; a block with a NaN or inf gets s = NaN and comes back all NaN.
+    scale: "fp32" for s = amax / max_finite in float32; "pow2" for the MX v1.0 E8M0 scale
+    s = 2**(floor(log2(amax)) - emax), clamped below at 2**-127 as E8M0 is; "nvfp4" for NVIDIA's two levels,
+    s = t * e4m3(amax / max_finite / t) with the per-tensor FP32 scale t = tensor amax / (448 * max_finite), in
+    torchao's `NVFP4Tensor` arithmetic (bit for bit on finite inputs; its exceptions: `_nvfp4_scales`). With "fp32"
+    and "pow2" a block of zeros (or one whose fp32 scale underflows to 0) gets s = 1; with "nvfp4" the smallest
+    normal E4M3 scale, t * 2**-6. A block with a NaN or inf gets s = NaN and comes back all NaN (with "nvfp4", t is
+    taken from the finite blocks only, so the other blocks stay as they were).
+
+    stochastic: round each element stochastically (unbiased below the format's max, see `_round_`) with draws from
+    `generator` (None: torch's global generator), instead of to nearest.
 
     Returns float32 with x's shape: the values the emulated GEMM multiplies, with no second rounding to x.dtype
     (element * fp32 scale is in general not a bf16 number). With return_scales=True, also the float32 scales,
     shape (ceil(rows / block rows), ceil(columns / block columns)).
     """
     f = _get_format("quantize_blocks", fmt)
-    if scale not in ("fp32", "pow2"):
-        raise ValueError(f"quantize_blocks: scale must be 'fp32' or 'pow2', got {scale!r}")
+    if scale not in SCALES:
+        raise ValueError(f"quantize_blocks: scale must be one of {list(SCALES)}, got {scale!r}")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() == 0:
         raise TypeError(
             f"quantize_blocks: x must be a floating-point tensor with at least 1 dimension, got "
             f"{getattr(x, 'dtype', type(x))} with shape {tuple(getattr(x, 'shape', ()))}"
         )
     if block is None:
-        block = (1, 128) if scale == "fp32" else (1, 32)
+        block = {"fp32": (1, 128), "pow2": (1, 32), "nvfp4": (1, 16)}[scale]
     br, bc = _check_block(block)
 
     rows, cols = math.prod(x.shape[:-1]), x.shape[-1]
@@ -456,19 +493,79 @@ def quantize_blocks(
     else:
         # amax/amin propagate NaN, and avoid the full-size temporary that abs() would allocate.
         amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())
-    if scale == "fp32":
-        s = amax / f.max_finite
+    if scale == "nvfp4":
+        s, rcp = _nvfp4_scales(amax, f)
+        v = blocks * rcp.view(n_r, 1, n_c, 1)
     else:
-        # frexp: amax = m * 2**k with m in [0.5, 1), so floor(log2(amax)) = k - 1 exactly (torch.log2 can round a
-        # value just below a power of two up to it). The power of two is built from float64 bits: exact, and
-        # 2**-127 is a float32 subnormal that exp2 implementations need not hit exactly.
-        exp = (torch.frexp(amax).exponent.to(torch.int64) - 1 - f.emax).clamp_(min=-127)
-        s = ((exp + 1023) << 52).view(torch.float64).to(torch.float32)
-    s = torch.where((amax == 0) | (s == 0), 1.0, s)
-    s = torch.where(torch.isfinite(amax), s, math.nan)
+        if scale == "fp32":
+            s = amax / f.max_finite
+        else:
+            # frexp: amax = m * 2**k with m in [0.5, 1), so floor(log2(amax)) = k - 1 exactly (torch.log2 can round
+            # a value just below a power of two up to it). The power of two is built from float64 bits: exact, and
+            # 2**-127 is a float32 subnormal that exp2 implementations need not hit exactly.
+            exp = (torch.frexp(amax).exponent.to(torch.int64) - 1 - f.emax).clamp_(min=-127)
+            s = ((exp + 1023) << 52).view(torch.float64).to(torch.float32)
+        s = torch.where((amax == 0) | (s == 0), 1.0, s)
+        s = torch.where(torch.isfinite(amax), s, math.nan)
+        v = blocks / s.view(n_r, 1, n_c, 1)
 
-    s4 = s.view(n_r, 1, n_c, 1)
     # An inf only reaches the rounding divided by its block's NaN scale, so no inf needs putting back here.
-    y = _round_(blocks / s4, f).mul_(s4).view(n_r * br, n_c * bc)
+    y = _round_(v, f, stochastic, generator).mul_(s.view(n_r, 1, n_c, 1)).view(n_r * br, n_c * bc)
     y = y[:rows, :cols].reshape(x.shape)
     return (y, s) if return_scales else y
+
+
+def _nvfp4_scales(amax: torch.Tensor, f: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decode scale s, encode reciprocal) per block from the blocks' amax, as torchao 0.18's `nvfp4_quantize`
+    computes them, operation for operation (the element is x * reciprocal, not x / s: the two can differ in the last
+    bit, and then at a rounding midpoint): t = tensor amax / (448 * max), block scale
+    e = e4m3(clamp(amax / max / t, 2**-6, 448)), reciprocal (1 / t) / e, s = t * e.
+
+    Where torchao's arithmetic makes a finite input NaN, it is changed (docs/quant.md): t comes from the finite
+    blocks only (torchao: one NaN or inf anywhere makes every block NaN); an all-zero tensor gets t = 1 (torchao:
+    0 / 0); a reciprocal that overflows, in a tensor whose amax is below about 2**-113, becomes 0 (torchao: inf,
+    so NaN from each 0 and +-max from the rest), which rounds those blocks' elements (all below 2**-113) to 0.
+    """
+    finite = torch.isfinite(amax)
+    tensor_amax = torch.where(finite, amax, 0.0).amax() if amax.numel() else amax.new_zeros(())
+    t = tensor_amax / (_E4M3.max_finite * f.max_finite)
+    t = torch.where(t > 0, t, 1.0)
+    e = (amax / f.max_finite / t).clamp_(_E4M3.min_normal, _E4M3.max_finite).to(_E4M3.torch_dtype).float()
+    rcp = (1.0 / t) / e
+    rcp = torch.where(torch.isfinite(rcp), rcp, 0.0)
+    s = torch.where(finite, t * e, math.nan)
+    return s, rcp
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Random Hadamard rotation (NVFP4's weight-gradient GEMM)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def random_hadamard(size: int = 16, seed: int = 0, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """The `size` x `size` random Hadamard matrix H = S D / sqrt(size), float32: S the Sylvester Hadamard matrix
+    (entries +-1), D a diagonal of random signs from a CPU generator seeded with `seed` (so the same H on every
+    device, rank and run). H is orthogonal (H^T H = I), so rotating both inputs of a GEMM along its contraction
+    dimension leaves the product unchanged in exact arithmetic, while it spreads an outlier over `size` elements
+    before they are rounded (NVIDIA's NVFP4 recipe: 16, on the weight-gradient GEMM). For size a power of 4 every
+    entry is +-2**-k, so H^T H = I holds exactly in float32 too."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size & (size - 1):
+        raise ValueError(f"random_hadamard: size must be a power of two >= 1, got {size!r}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(seed)).mul_(2).sub_(1)
+    return (h * signs / math.sqrt(size)).to(device)
+
+
+def rotate_rows(t: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """2-D `t` ([rows, columns]) with each run of n consecutive rows multiplied by `rotation` ([n, n]) from the
+    left, in float32 (float64 stays float64), rows zero-padded to a multiple of n (zero rows add nothing to a product
+    over rows). Rotating both inputs of a GEMM that contracts over rows, `rotate_rows(a, H).T @ rotate_rows(b, H)`,
+    gives `a.T @ b` for an orthogonal H."""
+    n = rotation.shape[0]
+    rows, cols = t.shape
+    t = t.to(torch.promote_types(t.dtype, torch.float32))
+    if rows % n:
+        t = F.pad(t, (0, 0, 0, -rows % n))
+    return torch.matmul(rotation.to(t.device, t.dtype), t.reshape(-1, n, cols)).view(-1, cols)

@@ -225,6 +225,26 @@ def test_finite_results_match_torchao_reference(fmt):
     assert torch.isfinite(utils._floatx_unpacked_to_f32(nan_code, e_bits, m_bits)).all()
 
 
+ML_DTYPES = {"e2m1": "float4_e2m1fn", "e2m3": "float6_e2m3fn", "e3m2": "float6_e3m2fn"}
+
+
+@pytest.mark.parametrize("fmt", MX_FORMATS)
+def test_finite_results_match_ml_dtypes_bit_for_bit(fmt):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    np = pytest.importorskip("numpy")
+    values, _ = signed_table(fmt)
+    g = torch.Generator().manual_seed(6)
+    spread = torch.randn(50_000, generator=g) * torch.exp2(torch.randint(-12, 8, (50_000,), generator=g).float())
+    mids = (values[1:] + values[:-1]).float() / 2
+    x = torch.cat([values.float(), mids, mids.nextafter(f32(INF)), mids.nextafter(f32(-INF)), spread, f32([1e30])])
+    dtype = getattr(ml_dtypes, ML_DTYPES[fmt])
+    reference = torch.from_numpy(x.numpy().astype(dtype).astype(np.float32))
+    assert torch.equal(round_to_format(x, fmt), reference)
+    # ... and why the library does not replace this module: NaN comes back as -0, inf as +-max.
+    special = np.array([NAN, INF], dtype=np.float32).astype(dtype).astype(np.float32)
+    assert special[0] == 0 and math.copysign(1, special[0]) == -1 and special[1] == FORMATS[fmt].max_finite
+
+
 def test_round_to_format_refuses_unknown_formats_and_integer_tensors():
     with pytest.raises(ValueError, match=r"round_to_format: fmt must be one of \['e2m1'"):
         round_to_format(f32([1.0]), "e8m0")
@@ -574,6 +594,72 @@ def test_zero_block_gets_scale_one_and_stays_zero(scale):
     assert (y[0, 32:] == 0).all() and torch.isfinite(y).all()
 
 
+TORCHAO_MX = {
+    "e2m1": "float4_e2m1fn_x2",
+    "e2m3": "fp6_e2m3",
+    "e3m2": "fp6_e3m2",
+    "e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+}
+
+
+def torchao_mx_dtype(fmt: str) -> torch.dtype | str:
+    name = TORCHAO_MX[fmt]
+    return getattr(torch, name) if name.startswith("float") else name
+
+
+@pytest.mark.parametrize("fmt", list(SPEC))
+def test_pow2_blocks_match_torchao_mx_bit_for_bit_on_finite_inputs(fmt):
+    """torchao's `MXTensor.to_mx` (FLOOR scales, the OCP spec's) as the oracle, on blocks whose amax lies between
+    2**-80 and 2**80 (torchao clamps the scale at 2**-126, this module, as E8M0, at 2**-127: a block with amax below
+    2**(emax - 126) rounds apart), all-zero blocks included."""
+    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    x = tiles_of_different_magnitudes(64, 256, (1, 32), seed=2)
+    x = x * torch.exp2(
+        torch.randint(-70, 71, (64, 8), generator=torch.Generator().manual_seed(3)).float()
+    ).repeat_interleave(32, 1)
+    x[3:9, 64:96] = 0
+    reference = mx.MXTensor.to_mx(x, torchao_mx_dtype(fmt), 32).dequantize(torch.float32)
+    assert torch.equal(quantize_blocks(x, fmt, scale="pow2"), reference)
+
+
+@pytest.mark.parametrize("fmt", list(SPEC))
+def test_pow2_blocks_differ_from_torchao_mx_only_below_two_to_the_emax_minus_126(fmt):
+    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    emax = FORMATS[fmt].emax
+    x = torch.linspace(0.25, 1.0, 32).repeat(2, 1) * torch.tensor([[2.0 ** (emax - 125)], [2.0 ** (emax - 128)]])
+    reference = mx.MXTensor.to_mx(x, torchao_mx_dtype(fmt), 32).dequantize(torch.float32)
+    ours = quantize_blocks(x, fmt, scale="pow2")
+    assert torch.equal(ours[0], reference[0]) and not torch.equal(ours[1], reference[1])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+def test_fp32_blocks_match_torchao_float8_per_block_bit_for_bit(fmt, block):
+    """torchao's `Float8Tensor` with `PerBlock` granularity as the oracle, where it applies: shapes that 128
+    divides, no all-zero block."""
+    granularity = pytest.importorskip("torchao.quantization.granularity")
+    float8 = pytest.importorskip("torchao.quantization.quantize_.workflows.float8.float8_tensor")
+    x = tiles_of_different_magnitudes(256, 384, block, seed=4)
+    dtype = FORMATS[fmt].torch_dtype
+    reference = float8.Float8Tensor.from_hp(x, float8_dtype=dtype, granularity=granularity.PerBlock(list(block)))
+    assert torch.equal(quantize_blocks(x, fmt, block), reference.dequantize())
+
+
+def test_torchao_float8_per_block_turns_a_zero_block_into_nan_and_refuses_ragged_shapes():
+    """Why `quantize_blocks` keeps its own FP8 block scaling: a block of zeros stays zeros, any shape."""
+    granularity = pytest.importorskip("torchao.quantization.granularity")
+    float8 = pytest.importorskip("torchao.quantization.quantize_.workflows.float8.float8_tensor")
+    x = tiles_of_different_magnitudes(256, 256, (128, 128))
+    x[:128, :128] = 0
+    per_block = granularity.PerBlock([128, 128])
+    assert torch.isnan(float8.Float8Tensor.from_hp(x, granularity=per_block).dequantize()[:128, :128]).all()
+    assert (quantize_blocks(x, "e4m3", (128, 128))[:128, :128] == 0).all()
+    with pytest.raises(AssertionError, match="divisible by block size"):
+        float8.Float8Tensor.from_hp(torch.ones(100, 200), granularity=granularity.PerBlock([1, 128]))
+    assert quantize_blocks(torch.ones(100, 200), "e4m3").shape == (100, 200)
+
+
 def test_block_output_is_float32_whatever_the_input_dtype():
     x = tiles_of_different_magnitudes(2, 128, (1, 128)).to(torch.bfloat16)
     y = quantize_blocks(x, "e4m3")
@@ -585,7 +671,10 @@ def test_block_output_is_float32_whatever_the_input_dtype():
     ("kwargs", "message"),
     [
         ({"fmt": "fp8"}, r"quantize_blocks: fmt must be one of \['e2m1', 'e2m3', 'e3m2', 'e4m3', 'e5m2'\], got 'fp8'"),
-        ({"fmt": "e4m3", "scale": "e8m0"}, r"quantize_blocks: scale must be 'fp32' or 'pow2', got 'e8m0'"),
+        (
+            {"fmt": "e4m3", "scale": "e8m0"},
+            r"quantize_blocks: scale must be one of \['fp32', 'pow2', 'nvfp4'\], got 'e8m0'",
+        ),
         ({"fmt": "e4m3", "block": (0, 128)}, r"block must be a pair of ints >= 1 \(rows, columns\), got \(0, 128\)"),
         ({"fmt": "e4m3", "block": 128}, r"block must be a pair of ints >= 1 \(rows, columns\), got 128"),
     ],
