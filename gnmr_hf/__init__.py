@@ -24,6 +24,7 @@ from .options import BackendOptions
 if TYPE_CHECKING:
     from .callback import GNMRCallback
     from .controller import Decision, GNMRController, HostDecision
+    from .planning import ImpactRanking, plan
     from .policy import Choice, Policy, PolicyOptions, Scores, get_policy, register_policy
     from .registry import find_units, get_backend, register_backend
     from .signals import OutputGradMeter, Signal, SignalOptions, UnitSignals
@@ -51,6 +52,7 @@ __all__ = [
     "GNMRController",
     "GNMRTrainer",
     "HostDecision",
+    "ImpactRanking",
     "OutputGradMeter",
     "Policy",
     "PolicyOptions",
@@ -67,6 +69,7 @@ __all__ = [
     "find_units",
     "get_backend",
     "get_policy",
+    "plan",
     "register_backend",
     "register_policy",
 ]
@@ -79,6 +82,7 @@ _LAZY = {
     **dict.fromkeys(("OutputGradMeter", "Signal", "SignalOptions", "UnitSignals"), ".signals"),
     **dict.fromkeys(("Backend", "DispatchContext", "RecoverableUnit", "RecoveryLedger"), ".units"),
     **dict.fromkeys(("SwitchedUnit", "UnitSet", "apply_decision"), ".units"),
+    **dict.fromkeys(("ImpactRanking", "plan"), ".planning"),
     "GNMRCallback": ".callback",
     "GNMRTrainer": ".trainer",
 }

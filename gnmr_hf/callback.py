@@ -12,16 +12,19 @@ each of these happens where it does: docs/method.md, "The signal" and "Resume".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import sys
 import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from torch import nn
+from tqdm import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
@@ -159,7 +162,8 @@ class GNMRCallback(TrainerCallback, ExportableState):
             backend_options=options,
         )
         try:
-            self._start(args, state, optimizer)
+            with _own_lines():
+                self._start(args, state, optimizer)
         except BaseException:
             # Leave the model as it was found (no forward wrappers, hooks or recovery weights), so that a
             # corrected retry on the same model works.
@@ -180,6 +184,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 unit.meter.start(
                     cfg.cause_fidelity_rows, clock=lambda: state.global_step, recovery_every=cfg.recovery_every
                 )
+        schedule = policy.impact_schedule()
+        if schedule is not None:
+            self._start_impact(schedule, state)
         self.controller = GNMRController(
             cfg,
             len(self.units),
@@ -243,6 +250,22 @@ class GNMRCallback(TrainerCallback, ExportableState):
                 header["fidelity_bounds"] = {u.kind: u.fidelity_bound for u in self.units}
             self._trace = TraceWriter(path, header, resume_step=state.global_step)
 
+    def _start_impact(self, schedule: tuple[int, int], state: Any) -> None:
+        """Start every unit's impact meter: `rows` rows per measure, the units taking turns over `every` steps in
+        controller order (so that each step measures N / every of them)."""
+        rows, every = schedule
+        for i, unit in enumerate(self.units):
+            unit.impact.start(rows, clock=lambda: state.global_step, every=every, phase=i % every)
+        silent = sorted({u.kind for u in self.units if not u.measures_impact})
+        if silent:
+            logger.warning(
+                "GNMR: policy %r ranks units by what their cheap path costs the loss, but the %s units of kind %s "
+                "do not measure it; the paper's rule stands in for them (a risky GNMR score)",
+                self.config.policy,
+                self.config.backend,
+                ", ".join(silent),
+            )
+
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         assert self.controller is not None and self.summary is not None
         assert self.capture is not None and self.signals is not None
@@ -256,7 +279,7 @@ class GNMRCallback(TrainerCallback, ExportableState):
         cfg = self.config
         check_history = self._warmup_check_step == 0 and self.controller.step + 1 >= cfg.min_history + cfg.window
         skipped = self.capture.skipped(optimizer)
-        decision = self.controller.observe(norms, missing, cheap_loss).to_host(
+        decision = self.controller.observe(norms, missing, cheap_loss, self.capture.take_impact()).to_host(
             top_k=cfg.trace_top_k, history=check_history, flag=skipped
         )
         if decision.flag:
@@ -270,6 +293,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
             return
         if not cfg.monitor_only:
             apply_decision(self.units, decision.exited, decision.entered)
+        for i in decision.extras.get("impact", {}).get("measure", ()):
+            # A symptom: its family measures its impact at the next step, whatever its turn.
+            self.units[i].impact.measure_at(step)
         self.last_decision = decision
         self.summary.add(decision.active, decision.entered, decision.exited, decision.risky, decision.left_out)
         self._accumulate(decision)
@@ -277,7 +303,8 @@ class GNMRCallback(TrainerCallback, ExportableState):
             self._trace.write(decision, step=step)
         if check_history:
             self._warmup_check_step = decision.step
-            self._warn_unscored(decision)
+            with _own_lines():
+                self._warn_unscored(decision)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self._trace is not None:
@@ -298,8 +325,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.summary is not None and state.is_world_process_zero:
-            _show(self.summary.format())
-            self._warn_budget(args)
+            with _own_lines():
+                _show(self.summary.format())
+                self._warn_budget(args)
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, SUMMARY_FILE), "w") as f:
                 json.dump(self.summary.as_dict(), f, indent=2)
@@ -424,6 +452,16 @@ class GNMRCallback(TrainerCallback, ExportableState):
         metrics["gnmr/exceedance_rate"] = w.get("exceedance_rate", 0.0) / steps
         self._window, self._window_steps = {}, 0
         return metrics
+
+
+@contextlib.contextmanager
+def _own_lines() -> Iterator[None]:
+    """Around what the callback prints or logs while the Trainer's progress bar is drawn: the bar (tqdm, on stderr)
+    keeps the cursor at the end of its line, and a terminal shows stdout and stderr together, so a summary or a
+    warning written then would go on that line (`8/8 [01:00<00:00, 7.45s/it]GNMR summary`). tqdm's own remedy: clear
+    the bars, write, draw them again below. Without a bar on the screen, nothing changes."""
+    with tqdm.external_write_mode(file=sys.stdout):
+        yield
 
 
 def _show(text: str) -> None:

@@ -24,9 +24,10 @@ __all__ = ["StepCapture", "data_parallel_group"]
 class StepCapture:
     """Reads `signals` once per optimizer step of a Trainer run on `model` (see the module docstring).
 
-    `take()` hands over the step's (norms, missing, cheap_loss) and `skipped(optimizer)` whether the fp16 loss
-    scaler skipped the step; `pending` holds what was read until then, `scaler` the active fp16 loss scaler (None
-    without one). `remove()` takes the hooks off.
+    `take()` hands over the step's (norms, missing, cheap_loss), `take_impact()` its impacts, and
+    `skipped(optimizer)` whether the fp16 loss scaler skipped the step; `pending` (and `pending_cheap_loss`,
+    `pending_impact`) hold what was read until then, `scaler` the active fp16 loss scaler (None without one).
+    `remove()` takes the hooks off.
     """
 
     def __init__(
@@ -41,6 +42,7 @@ class StepCapture:
         self.scaler = _loss_scaler(optimizer)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.pending_cheap_loss: torch.Tensor | None = None  # read with the norms, where units measure it
+        self.pending_impact: torch.Tensor | None = None  # likewise, under policy="impact"
         self._scale_at_capture: torch.Tensor | None = None
         self._queued = False
         self._gradient_state = _gradient_state()
@@ -48,6 +50,7 @@ class StepCapture:
             # DeepSpeed ZeRO: the reduced gradients exist only just before its optimizer step, read there.
             def sink(norms: torch.Tensor, missing: torch.Tensor) -> None:
                 self.pending, self.pending_cheap_loss = (norms, missing), signals.gather_cheap_loss()
+                self.pending_impact = signals.gather_impact()
 
             self._hooks = [zero.install(units, sink)]
         else:
@@ -55,7 +58,8 @@ class StepCapture:
 
     def take(self, num_units: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The step's (norms float32 [N], missing bool [N], cheap_loss or None), and ready for the next step; every
-        unit missing when no backward reached the model's outputs this step."""
+        unit missing when no backward reached the model's outputs this step. The step's impacts (or None) are
+        `take_impact()`'s."""
         pending, self.pending = self.pending, None
         cheap_loss, self.pending_cheap_loss = self.pending_cheap_loss, None
         self._queued = False
@@ -65,6 +69,11 @@ class StepCapture:
                 torch.ones(num_units, dtype=torch.bool, device=device),
             )
         return pending[0], pending[1], cheap_loss
+
+    def take_impact(self) -> torch.Tensor | None:
+        """The step's impacts ([N] float32, nats per token, NaN where unmeasured; None: no unit measures)."""
+        impact, self.pending_impact = self.pending_impact, None
+        return impact
 
     def skipped(self, optimizer: Any) -> torch.Tensor | None:
         """A bool scalar on the device: did the fp16 loss scaler skip this step? None without a scaler.
@@ -86,7 +95,7 @@ class StepCapture:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        self.pending, self.pending_cheap_loss, self._queued = None, None, False
+        self.pending, self.pending_cheap_loss, self.pending_impact, self._queued = None, None, None, False
 
     def _on_model_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
@@ -108,12 +117,14 @@ class StepCapture:
 
     def _read(self) -> None:
         norms, missing = self.signals.compute()
+        scale = None
         if self.scaler is not None:
             # Gradients are still multiplied by the loss scale here (the Trainer unscales them when it clips).
             scale = _loss_scale(self.scaler)
             norms = norms / scale.to(norms.device)
             self._scale_at_capture = scale.clone()
         self.pending, self.pending_cheap_loss = (norms, missing), self.signals.cheap_loss
+        self.pending_impact = self.signals.gather_impact(scale)
         self._queued = False
 
 

@@ -85,15 +85,18 @@ class GNMRConfig:
             "help": "Which policy chooses the recovery set: 'paper' (default): the paper's selection, bit for bit. "
             "'cause': also measure what each unit's cheap path loses (1 = its backend's bound), recover the unit "
             "that causes a symptom, units broken from the start, hold them while their cheap path stays lossy "
-            "(docs/method.md, 'The cause policy'). Or a name given to gnmr_hf.register_policy. Checked when the "
-            "callback is built."
+            "(docs/method.md, 'The cause policy'). 'impact': rank the units by what their cheap path costs the "
+            "loss, estimated online, and recover the costliest under the budget (docs/method.md, 'The impact "
+            "policy'; its options are its policy_options). Or a name given to gnmr_hf.register_policy. Checked "
+            "when the callback is built."
         },
     )
     policy_options: dict | str | None = field(
         default=None,
         metadata={
-            "help": "The policy's own options, as a JSON object or 'key=value,key=value' text (a dict in Python); "
-            "the built-in policies take none (theirs are the fields here). Validated by the policy."
+            "help": "The policy's own options, as a JSON object or 'key=value,key=value' text (a dict in Python), "
+            "e.g. 'min_impact=0.002,every=4' for policy='impact'; the paper's and the cause policy take none "
+            "(theirs are the fields here). Validated by the policy."
         },
     )
     cause_suspect: float = field(
@@ -169,10 +172,10 @@ class GNMRConfig:
         self._check_int("relapse_lock_cap", 1)
         if not isinstance(self.relapse_lock, bool):
             raise TypeError(f"GNMRConfig.relapse_lock must be a bool, got {self.relapse_lock!r}")
-        if (self.relapse_lock or self.policy == "cause") and self.relapse_lock_cap < self.lock_steps:
+        if (self.relapse_lock or self.policy in ("cause", "impact")) and self.relapse_lock_cap < self.lock_steps:
             raise ValueError(
                 f"GNMRConfig.relapse_lock_cap must be >= lock_steps={self.lock_steps} with relapse_lock=True or "
-                f"policy='cause', got {self.relapse_lock_cap}"
+                f"policy='cause' or 'impact' (their lock is relapse-aware), got {self.relapse_lock_cap}"
             )
         self._check_threshold("alpha")
         self._check_threshold("beta")

@@ -247,7 +247,11 @@ class GNMRController:
 
     @torch.no_grad()
     def observe(
-        self, norms: torch.Tensor, missing: torch.Tensor | None = None, cheap_loss: torch.Tensor | None = None
+        self,
+        norms: torch.Tensor,
+        missing: torch.Tensor | None = None,
+        cheap_loss: torch.Tensor | None = None,
+        impact: torch.Tensor | None = None,
     ) -> Decision:
         """Score one optimizer step's norms and decide the recovery set for the next step.
 
@@ -256,13 +260,16 @@ class GNMRController:
             missing: optional bool tensor [N], True for units that had no gradient this step.
             cheap_loss: optional float tensor [N], what each unit's cheap path lost this step in units of its bound
                 (NaN where unmeasured; `UnitSignals.cheap_loss`); read by `policy="cause"` only.
+            impact: optional float tensor [N], what each unit's cheap path cost the loss this step, in nats per token
+                (NaN where unmeasured; `UnitSignals.gather_impact`); read by `policy="impact"` only.
         """
         self._check_norms(norms, missing)
-        if cheap_loss is not None and (cheap_loss.shape != norms.shape or cheap_loss.device != self.device):
-            raise ValueError(
-                f"GNMRController.observe: cheap_loss must be a tensor of shape ({self.num_units},) on {self.device}, "
-                f"got shape {tuple(cheap_loss.shape)} on {cheap_loss.device}"
-            )
+        for name, value in (("cheap_loss", cheap_loss), ("impact", impact)):
+            if value is not None and (value.shape != norms.shape or value.device != self.device):
+                raise ValueError(
+                    f"GNMRController.observe: {name} must be a tensor of shape ({self.num_units},) on {self.device}, "
+                    f"got shape {tuple(value.shape)} on {value.device}"
+                )
         cfg = self.config
         t = self.step + 1
         alpha, beta = cfg.thresholds(t)
@@ -293,7 +300,7 @@ class GNMRController:
         self.norm_count = self.norm_count + valid
         self.gnmr_window[pos] = gnmr
 
-        scores = Scores(t, alpha, beta, n, missing, gnmr, dgnmr, risk, scored, risky, broken, cheap_loss)
+        scores = Scores(t, alpha, beta, n, missing, gnmr, dgnmr, risk, scored, risky, broken, cheap_loss, impact)
         previous = self.policy.active
         choice = self.policy.step(scores)
         self.step = t

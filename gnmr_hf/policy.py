@@ -60,7 +60,9 @@ class Scores:
     (bool or None) the units without a gradient. `gnmr`, `dgnmr` (float64, NaN where unscored), `risk` =
     max(GNMR/alpha, DGNMR/beta) (0 unscored, +inf for a broken norm), `scored`, `risky` (risk > 1 or a broken
     norm) and `broken` (a present unit whose norm is NaN, inf or negative). `cheap_loss`: what each unit's cheap
-    path lost this step in units of its bound (NaN where unmeasured), or None when no unit measures.
+    path lost this step in units of its bound (NaN where unmeasured), or None when no unit measures. `impact`: what
+    each unit's cheap path cost the loss this step, in nats per token (`gnmr_hf.impact`; NaN where unmeasured), or
+    None when no unit measures it.
     """
 
     t: int
@@ -75,6 +77,7 @@ class Scores:
     risky: torch.Tensor
     broken: torch.Tensor
     cheap_loss: torch.Tensor | None = None
+    impact: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,12 @@ class Policy(ABC):
     def describe(self) -> dict[str, Any]:
         """JSON-safe facts for the trace header (e.g. the cause policy's families); by default none."""
         return {}
+
+    def impact_schedule(self) -> tuple[int, int] | None:
+        """(rows, every) when the policy reads each unit's impact (`Scores.impact`): the units' impact meters
+        measure `rows` rows of their output on one optimizer step in `every`, taking turns (`gnmr_hf.impact`);
+        None (the default): nothing is measured."""
+        return None
 
     def host_parts(self, choice: Choice, k: int) -> list[torch.Tensor]:
         """Float64 1-D tensors of what the host needs of `choice.extras`, moved in the decision's one transfer."""

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .fidelity import unit_losses
+from .impact import impacts
 from .options import BackendOptions
 
 __all__ = [
@@ -274,6 +275,7 @@ class UnitSignals:
         self._model = model
         self._adapters = active_adapters(model) if model is not None else None
         self.cheap_loss: torch.Tensor | None = None
+        self.impact: torch.Tensor | None = None
 
     def check(self) -> None:
         """Raise if the model's active adapters changed since the signals were built: a unit's `lora` signal
@@ -317,6 +319,22 @@ class UnitSignals:
             torch.distributed.all_reduce(both, group=self.dp_group)
             loss = torch.where(both[1] > 0, both[0] / both[1].clamp_min(1.0), torch.nan)
         return loss
+
+    def gather_impact(self, scale: Any = None) -> torch.Tensor | None:
+        """[N] float32 of what each unit's cheap path cost the loss this step (nats per token, `gnmr_hf.impact`),
+        NaN where a unit measured nothing; None when no unit measures (only `policy="impact"` turns the meters on,
+        on every rank alike). `scale`: the fp16 loss scale the gradients carried. Averaged over the ranks that
+        measured, so that every rank decides the same. No host sync."""
+        meters = [getattr(u, "impact", None) for u in self.units]
+        if not any(m is not None and m.on for m in meters):
+            return None
+        value = impacts([m.take() if m is not None else None for m in meters], self.device, scale)
+        if self.dp_group is not None:
+            seen = ~value.isnan()
+            both = torch.stack([value.nan_to_num(0.0), seen.float()])
+            torch.distributed.all_reduce(both, group=self.dp_group)
+            value = torch.where(both[1] > 0, both[0] / both[1].clamp_min(1.0), torch.nan)
+        return value
 
     @torch.no_grad()
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 from torch import nn
 
+from .impact import ImpactMeter
 from .meter import FidelityMeter
 from .options import BackendOptions
 from .signals import OutputGradMeter, Signal, resolve_signal
@@ -131,7 +132,8 @@ class RecoverableUnit:
     Attributes: `name`, `module`, `backend` (its name), `kind`, `options`, `ledger`, `tuner` (the peft layer around
     the module, or None), `signal` (the signal kind: "lora", "weight", "output_grad" or a backend's own),
     `output_grad` (the `OutputGradMeter` of an output-gradient signal, else None), `meter` (its `FidelityMeter`),
-    `closed`.
+    `impact` (its `gnmr_hf.impact.ImpactMeter`: what its cheap path costs the loss, for `policy="impact"`; a backend
+    offers it where it holds the cheap and the exact output, `measures_impact` says whether it does), `closed`.
     """
 
     closed = False
@@ -139,6 +141,8 @@ class RecoverableUnit:
     # What this kind's loss measures and against what bound, in words (docs/method.md, "The cause policy"); the loss
     # itself is reported where the backend touches the data, through `self.meter`. None: this kind reports nothing.
     fidelity_bound: str | None = None
+    # Whether this kind offers its impact (what its cheap path costs the loss) to `self.impact` when it is due.
+    measures_impact: bool = False
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         owner = unit_of(module)
@@ -154,6 +158,7 @@ class RecoverableUnit:
         self.ledger = ctx.ledger
         self.tuner = ctx.tuner(module)
         self.meter = FidelityMeter(self, reads_input=type(self).input_fidelity is not RecoverableUnit.input_fidelity)
+        self.impact = ImpactMeter(self)
         signal = self.find_signal(ctx)
         self.signal = signal.kind
         self._signal_tensors = list(signal.tensors)
@@ -248,6 +253,7 @@ class RecoverableUnit:
             return
         self.exit_recovery()
         self.meter.stop()
+        self.impact.stop()
         if self.output_grad is not None:
             self.output_grad.remove()
             self.output_grad = None

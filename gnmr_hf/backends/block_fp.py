@@ -229,6 +229,7 @@ class BlockFPUnit(SwitchedUnit):
     experiment may replace `low` (what the cheap path loses is measured on it on both paths)."""
 
     options: BlockFPOptions
+    measures_impact = True
     fidelity_bound = (
         "GEMM inputs in low_format (input and weight of the fprop, output gradient of the dgrad): the worst of "
         "max(relative L2 error / 2, row-sum bias / 0.1)"
@@ -294,7 +295,30 @@ class BlockFPUnit(SwitchedUnit):
         if not m.training and not self.options.quantize_eval:
             return F.linear(x, m.weight, m.bias)
         probe = (self, self.low, self._cache) if self.meter.due else None
-        return block_fp_linear(x, m.weight, m.bias, fmt, probe)
+        out = block_fp_linear(x, m.weight, m.bias, fmt, probe)
+        if self.impact.due:
+            self._offer_impact(x, out, fmt)
+        return out
+
+    @torch.no_grad()
+    def _offer_impact(self, x: torch.Tensor, out: torch.Tensor, fmt: GemmFormat) -> None:
+        """The cheap path's change of the output on the impact meter's sample of rows: what the cheap GEMM gives
+        minus the exact one (in the output's dtype, so that its own rounding cancels). On the cheap path the cheap
+        rows are the output's own; in recovery they are computed from the cheap rounding of the sampled input rows
+        and of the weight, only to measure (the activation tiles are row-local, so the rows round as in the whole).
+        The forward's error only: the backward's GEMMs round the same operands along other blocks, at the same
+        order of error, a factor common to the units of the backend that a ranking does not see."""
+        x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+        index = self.impact.rows(x2)
+        x_rows = take_rows(x2, index).float()
+        weight, bias = self.module.weight.float(), self.module.bias
+        exact = F.linear(x_rows, weight, None if bias is None else bias.float()).to(out.dtype).float()
+        if fmt == self.low:
+            cheap = take_rows(out2, index).float()
+        else:
+            cheap_x, cheap_w = self.low.input_rows(x_rows, index), self.low.operand(weight, 1, weight=True)
+            cheap = F.linear(cheap_x, cheap_w, None if bias is None else bias.float()).to(out.dtype).float()
+        self.impact.offer(out, cheap - exact, index)
 
 
 def _probe_cache(ctx: DispatchContext) -> TensorCache:

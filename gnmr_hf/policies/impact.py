@@ -1,0 +1,190 @@
+"""The impact policy (`GNMRConfig(policy="impact")`): spend the budget where the cheap path costs the loss most.
+
+Each unit's *impact* is what its cheap path costs the training loss, in nats per token, estimated online from one
+step's own forward and backward (`gnmr_hf.impact`: a Fisher-weighted output error). The units take turns measuring
+it (one step in `every`, on `rows` sampled rows), so that measuring stays a small share of the step; a unit keeps a
+running estimate between its measures (`smoothing`: the weight of a new measure). Then, every step:
+
+- the candidates are the units whose estimate is *material* (above `min_impact` nats per token: what recovering
+  the unit alone would buy the loss), a unit whose gradient norm is broken (inf/NaN), and a unit that has no
+  estimate yet but whose GNMR score is risky (the paper's rule: a backend that does not measure impact keeps it);
+- the `max_active` candidates of largest impact run in recovery at the next step (a broken norm first; a unit
+  without an estimate ranks as if its impact were `min_impact` times its risk; an incumbent's impact counts 1.25x,
+  so that units of similar impact do not swap every step);
+- a unit is held while it stays material (its lock renewed), and released `lock_steps` steps after it stops being
+  so; one that relapses within `lock_steps` of its release gets twice its last lock (`gnmr_hf.policy.RelapseLock`);
+- a symptom (a unit risky by GNMR's own scores) has its whole family measured at the next step (`measure`), so that
+  a sudden failure is weighed at once, not at its family's next turn.
+
+It idles when no unit is material: then it spends nothing, whatever GNMR's scores say (a spike with no lossy cheap
+path behind it is not the cheap path's to fix). Why each rule and the default values: docs/method.md, "The impact
+policy". Pure torch, no host sync, a fixed number of ops per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..policy import NEVER, Choice, PolicyOptions, Scores, load_tensor, within_budget
+from .cause import UnitRelations, _per_family
+from .paper import LockedPolicy
+
+__all__ = ["ImpactOptions", "ImpactPolicy"]
+
+_INCUMBENT = 1.25
+
+
+@dataclass
+class ImpactOptions(PolicyOptions):
+    """Options of `policy="impact"` (`GNMRConfig.policy_options`)."""
+
+    min_impact: float = field(
+        default=2e-3,
+        metadata={
+            "help": "Nats per token a unit's cheap path must cost the loss (its estimated impact) to be worth "
+            "recovering; below it on every unit the policy spends nothing. > 0."
+        },
+    )
+    rows: int = field(
+        default=32,
+        metadata={"help": "Rows (tokens) of a unit's output one measure reads, spread over the batch (0: all). >= 0."},
+    )
+    every: int = field(
+        default=4,
+        metadata={
+            "help": "A unit measures its impact on one optimizer step in this many, the units taking turns (and at "
+            "once after a symptom in its family). >= 1."
+        },
+    )
+    smoothing: float = field(
+        default=0.5,
+        metadata={"help": "Weight of a new measure in a unit's running impact estimate, in (0, 1] (1: the last)."},
+    )
+
+    def __post_init__(self) -> None:
+        for name, top in (("min_impact", math.inf), ("smoothing", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"option {name!r} must be a number, got {value!r}")
+            if not (0 < value <= top) or math.isnan(value) or math.isinf(value):
+                allowed = "a finite number > 0" if top == math.inf else f"in (0, {top:g}]"
+                raise ValueError(f"option {name!r} must be {allowed}, got {value}")
+        self.check_int("rows", 0)
+        self.check_int("every", 1)
+
+
+class ImpactPolicy(LockedPolicy):
+    """The impact policy (see the module docstring). State beyond the locks and the relapse lock: each unit's
+    running impact estimate (`impact_estimate`, NaN before its first measure) and the step of its last measure
+    (`impact_at`)."""
+
+    name = "impact"
+    options = ImpactOptions
+    opts: ImpactOptions
+
+    @property
+    def keeps_lock_lengths(self) -> bool:
+        return True
+
+    def impact_schedule(self) -> tuple[int, int]:
+        return self.opts.rows, self.opts.every
+
+    def bind(self, names: Sequence[str], kinds: Sequence[str], device: torch.device) -> None:
+        super().bind(names, kinds, device)
+        self.relations = UnitRelations.from_names(names, kinds)
+        self._families = torch.tensor(self.relations.families, dtype=torch.long, device=self.device)
+        self.estimate = torch.full((self.num_units,), torch.nan, dtype=torch.float64, device=self.device)
+        self.estimated_at = torch.full((self.num_units,), NEVER, dtype=torch.int64, device=self.device)
+        self._estimate_before: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def step(self, scores: Scores) -> Choice:
+        """One step: the new recovery set and locks, and per unit `impact` (the running estimate, NaN where none
+        yet) and `measure` (the units to measure at the next step: the families of this step's symptoms)."""
+        cfg, opts, t, active = self.config, self.opts, scores.t, self.active
+        fresh = torch.full_like(self.estimate, torch.nan) if scores.impact is None else scores.impact.to(torch.float64)
+        measured = ~fresh.isnan()
+        # A first measure sets the estimate; later ones move it by `smoothing`. A non-finite measure (a cheap path
+        # that overflowed) is the largest impact there is, and stays so until a finite one replaces it.
+        fresh = fresh.nan_to_num(nan=0.0, posinf=math.inf, neginf=math.inf)
+        mixed = torch.where(
+            self.estimate.isnan() | self.estimate.isinf() | fresh.isinf(),
+            fresh,
+            (1.0 - opts.smoothing) * self.estimate + opts.smoothing * fresh,
+        )
+        self._estimate_before = (self.estimate, self.estimated_at)
+        self.estimate = torch.where(measured, mixed, self.estimate)
+        self.estimated_at = torch.where(measured, t, self.estimated_at)
+        estimate = self.estimate
+        known = ~estimate.isnan()
+        material = known & (estimate > opts.min_impact)
+        broken_norm = scores.broken
+        fallback = scores.risky & ~known
+
+        assert self.relapse is not None
+        countdown = (self.locks - 1).clamp_min(0)
+        wants = material | broken_norm | fallback
+        entering = wants & ~active
+        lock_length = self.relapse.lengths(t, entering)
+        renew = entering | (active & wants)
+        candidates = wants | (active & (countdown > 0))
+        key = torch.where(known, estimate, opts.min_impact * scores.risk).nan_to_num(nan=0.0, posinf=1e300)
+        key = torch.where(broken_norm, 1e300, key) * torch.where(active, _INCUMBENT, 1.0)
+        selected = within_budget(candidates, key, cfg.max_active)
+        new_locks = torch.where(selected, torch.where(renew, lock_length, countdown), 0).to(torch.int32)
+        self.relapse.exits(t, active, selected)
+        self._set(new_locks, selected)
+
+        count = len(self.relations.family_names)
+        symptom_family = _per_family(scores.risky.to(torch.int64), self._families, count, "amax", 0)
+        measure = symptom_family[self._families] > 0
+        return Choice(selected, candidates, new_locks, {"impact": estimate, "measured": measured, "measure": measure})
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return super().state_dict() | {"impact_estimate": self.estimate, "impact_at": self.estimated_at}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "impact_estimate" in state and "impact_at" in state:
+            self.estimate = load_tensor(state, "impact_estimate", self.estimate)
+            self.estimated_at = load_tensor(state, "impact_at", self.estimated_at)
+        else:  # a state another policy saved: no estimate yet
+            self.estimate = torch.full_like(self.estimate, torch.nan)
+            self.estimated_at = torch.full_like(self.estimated_at, NEVER)
+        self._estimate_before = None
+
+    def revert(self) -> None:
+        super().revert()
+        if self._estimate_before is not None:
+            (self.estimate, self.estimated_at), self._estimate_before = self._estimate_before, None
+
+    def describe(self) -> dict[str, Any]:
+        return {"families": [self.relations.family_names[f] for f in self.relations.families]}
+
+    def host_parts(self, choice: Choice, k: int) -> list[torch.Tensor]:
+        # The measures taken this step (every unit's estimate where it measured, -1 elsewhere) and the units to
+        # measure at the next step, as one float64 run of 2N values.
+        extras = choice.extras
+        fresh = torch.where(extras["measured"], extras["impact"].nan_to_num(posinf=1e300), -1.0)
+        return [fresh.to(torch.float64), extras["measure"].to(torch.float64)]
+
+    def host_extras(self, parts: np.ndarray, active: np.ndarray, k: int) -> dict[str, Any]:
+        """{"impact": {"estimate": [[unit, estimate], ...] for the units measured this step, "measure": [unit, ...]
+        the units asked to measure at the next step}}."""
+        n = self.num_units
+        fresh, measure = parts[:n], parts[n : 2 * n]
+        measured = np.flatnonzero(fresh >= 0)
+        return {
+            "impact": {
+                "estimate": [[int(i), float(fresh[i])] for i in measured],
+                "measure": [int(i) for i in np.flatnonzero(measure > 0)],
+            }
+        }
+
+
+POLICIES = (ImpactPolicy,)

@@ -1,0 +1,252 @@
+"""The impact estimate (`gnmr_hf.impact`), `gnmr_hf.plan` and the impact policy in a Trainer: the estimate is the
+Fisher-weighted output change it says it is, it finds a planted lossy unit where the counterfactual oracle does, it
+is the same under gradient accumulation and checkpointing, plan leaves nothing on the model, and a Trainer run holds
+the planted unit while the others take turns measuring."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import TrainerCallback, TrainingArguments
+
+from gnmr_hf import GNMRConfig, GNMRTrainer, find_units, plan
+from gnmr_hf.experiments.faults import inject_fault
+from gnmr_hf.experiments.pretrain import build_model, llama_config
+from gnmr_hf.impact import ImpactMeter, impacts
+from gnmr_hf.trace import read_trace
+
+FAULTY = "model.layers.1.mlp.up_proj"
+OPTIONS = {"low_format": "e4m3", "high_format": "bf16"}
+
+
+def tiny(seed: int = 0) -> nn.Module:
+    return build_model(llama_config(d_model=32, n_layers=2, n_heads=2, seq_len=16), seed)
+
+
+def batches(count: int = 2, size: int = 4, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, 256, (size, 16), generator=g)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+class _Unit:
+    name, backend, closed = "u", "test", False
+
+
+def test_the_impact_is_half_n_times_the_fisher_weighted_output_change_summed_over_every_row():
+    unit = _Unit()
+    meter = ImpactMeter(unit)
+    meter.start(0, clock=lambda: 0)
+    y = torch.randn(3, 5, 4, requires_grad=True)
+    delta = torch.randn(15, 4)
+    meter.offer(y, delta, None)
+    weights = torch.randn(3, 5, 4)
+    (y * weights).sum().div(15).backward()  # a mean over 15 tokens: dL/dY = weights / 15
+    (value,) = impacts([meter.take()], torch.device("cpu"))
+    expected = 0.5 * 15 * ((weights / 15).reshape(15, 4).square() * delta.square()).sum()
+    assert value.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert meter.take() is None  # taken once
+
+
+def test_a_sample_of_rows_stands_for_every_row_and_a_loss_scale_is_divided_out_squared():
+    unit = _Unit()
+    meter = ImpactMeter(unit)
+    meter.start(0, clock=lambda: 0)
+    y = torch.randn(8, 2, requires_grad=True)
+    index = torch.tensor([1, 5])
+    delta = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    meter.offer(y, delta, index)
+    (y * 64.0).sum().backward()  # dL/dY = 64 everywhere: a loss scale of 64 on a gradient of 1
+    (value,) = impacts([meter.take()], torch.device("cpu"), scale=64.0)
+    # Rows 1 and 5 of 8, each gradient 1 after the scale: 0.5 * 8 rows * (8 / 2 sampled) * sum(delta^2).
+    assert value.item() == pytest.approx(0.5 * 8 * 4 * 30.0)
+
+
+def test_a_unit_measures_on_its_turn_and_at_a_step_asked_for():
+    step, unit = [0], _Unit()
+    meter = ImpactMeter(unit)
+    meter.start(0, clock=lambda: step[0], every=3, phase=1)
+    with torch.enable_grad():
+        due = []
+        for step[0] in range(7):
+            due.append(meter.due)
+        meter.measure_at(7)
+        step[0] = 7
+        due.append(meter.due)
+    assert due == [False, False, True, False, False, True, False, True]
+    with torch.no_grad():
+        assert not meter.due  # only training passes measure
+
+
+def planted(model: nn.Module, **options):
+    """block_fp units of `model` (FP8 cheap path, nearly exact) with FAULTY's cheap path faulty; a plan-like
+    `find_units` hook so that `plan` builds the same units."""
+    units = find_units(model, "block_fp", backend_options={**OPTIONS, **options})
+    inject_fault(next(u for u in units if u.name == FAULTY), 30.0, stride=2)
+    return units
+
+
+def test_plan_finds_the_planted_lossy_unit_where_the_counterfactual_oracle_does(monkeypatch):
+    model = tiny()
+    # plan builds its own units: plant the fault in the ones it builds.
+    import gnmr_hf.registry as registry
+
+    real = registry.find_units
+
+    def find_and_plant(*args, **kwargs):
+        units = real(*args, **kwargs)
+        inject_fault(next(u for u in units if u.name == FAULTY), 30.0, stride=2)
+        return units
+
+    monkeypatch.setattr(registry, "find_units", find_and_plant)
+    ranking = plan(model, batches(), backend="block_fp", backend_options=OPTIONS)
+    monkeypatch.setattr(registry, "find_units", real)
+    ranked = ranking.ranked
+    assert ranked[0][0] == FAULTY and ranked[0][1] > 100 * ranked[1][1]
+    assert ranking.carve_out(1) == [FAULTY] and ranking.smallest(0.9) == [FAULTY]
+    # The oracle: the judge batch's loss with only unit i on the recovery path, every other unit cheap.
+    units = planted(model)
+    model.train()
+    judge = batches(1, seed=1)[0]
+    with torch.no_grad():
+        low = float(model(**judge).loss)
+        gains = {}
+        for unit in units:
+            unit.enter_recovery()
+            gains[unit.name] = low - float(model(**judge).loss)
+            unit.exit_recovery()
+    units.close()
+    assert max(gains, key=gains.get) == FAULTY
+
+
+def test_plan_leaves_the_model_its_forward_gradients_mode_and_random_stream():
+    model = tiny()
+    model.eval()
+    weight = model.model.layers[0].mlp.up_proj.weight
+    weight.grad = torch.full_like(weight, 7.0)
+    forwards = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+    torch.manual_seed(3)
+    expected = torch.rand(1)
+    torch.manual_seed(3)
+    plan(model, batches(1), backend="block_fp", backend_options=OPTIONS)
+    assert torch.rand(1).item() == expected.item()
+    assert not model.training
+    assert torch.equal(weight.grad, torch.full_like(weight, 7.0))
+    assert all(p.grad is None for n, p in model.named_parameters() if p is not weight)
+    assert {name: m.__dict__.get("forward") for name, m in model.named_modules()} == forwards
+
+
+def test_plan_refuses_a_model_that_returns_no_loss_and_a_backend_that_measures_no_impact():
+    model = tiny()
+    with pytest.raises(ValueError, match="no loss; each batch must hold labels"):
+        plan(model, [{"input_ids": batches(1)[0]["input_ids"]}], backend="block_fp", backend_options=OPTIONS)
+    with pytest.raises(ValueError, match="act_quant units do not measure their impact"):
+        plan(model, batches(1), backend="act_quant")
+
+
+def _impacts_of(model: nn.Module, micro_batches: list[dict], **checkpointing) -> torch.Tensor:
+    units = planted(model)
+    for unit in units:
+        unit.impact.start(0, clock=lambda: 0)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    model.train()
+    for batch in micro_batches:
+        (model(**batch).loss / len(micro_batches)).backward()
+    value = impacts([u.impact.take() for u in units], torch.device("cpu"))
+    units.close()
+    return value
+
+
+def test_gradient_accumulation_measures_what_one_batch_of_the_same_tokens_measures():
+    (batch,) = batches(1, size=4)
+    whole = _impacts_of(tiny(), [batch])
+    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+    accumulated = _impacts_of(tiny(), halves)
+    torch.testing.assert_close(accumulated, whole, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_measures_each_unit_once_as_without_it(reentrant):
+    (batch,) = batches(1)
+    plain = _impacts_of(tiny(), [batch])
+    checkpointed = _impacts_of(tiny(), [batch], use_reentrant=reentrant)
+    torch.testing.assert_close(checkpointed, plain, rtol=1e-4, atol=1e-9)
+
+
+class _Plant(TrainerCallback):
+    """After GNMR has built its units (train begin), corrupt FAULTY's cheap path."""
+
+    def __init__(self, trainer_ref: list) -> None:
+        self.trainer_ref = trainer_ref
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        gnmr = self.trainer_ref[0].gnmr
+        inject_fault(next(u for u in gnmr.units if u.name == FAULTY), 30.0, stride=2)
+
+
+def test_a_trainer_run_holds_the_planted_unit_and_the_others_take_turns_measuring(tmp_path):
+    data = [{k: v[i] for k, v in b.items()} for b in batches(6) for i in range(4)]
+    config = GNMRConfig(
+        backend="block_fp",
+        backend_options=OPTIONS,
+        policy="impact",
+        policy_options={"every": 3, "rows": 8},
+        max_active=1,
+        lock_steps=2,
+        min_history=2,
+        window=2,
+    )
+    ref: list = []
+    args = TrainingArguments(
+        tmp_path, max_steps=6, per_device_train_batch_size=4, use_cpu=True, report_to=[], save_strategy="no",
+        logging_steps=100, learning_rate=1e-3, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = GNMRTrainer(model=tiny(), args=args, train_dataset=data, gnmr_config=config, callbacks=[_Plant(ref)])
+    ref.append(trainer)
+    trainer.train()
+    header, records = read_trace(tmp_path / "gnmr_trace.jsonl")
+    steps = [r for r in records if r["type"] == "step"]
+    names = header["units"]
+    faulty = names.index(FAULTY)
+    measured = [{i for i, _ in r["impact"]["estimate"]} for r in steps]
+    # 14 units over every=3 steps: 4 or 5 a step, each unit once in three steps.
+    assert sorted(len(m) for m in measured[:3]) == [4, 5, 5] and set().union(*measured[:3]) == set(range(len(names)))
+    turn = next(t for t, m in enumerate(measured) if faulty in m)
+    # From the step after its first measure to the end, the planted unit and only it is held.
+    assert all(r["active"] == [faulty] for r in steps[turn:])
+    assert all(r["active"] == [] for r in steps[:turn])
+    estimates = {i: v for r in steps for i, v in r["impact"]["estimate"]}
+    assert max(estimates, key=estimates.get) == faulty and not math.isnan(estimates[faulty])
+
+
+def test_the_paper_policy_measures_nothing():
+    model = tiny()
+    units = find_units(model, "block_fp", backend_options=OPTIONS)
+    model.train()
+    model(**batches(1)[0]).loss.backward()
+    assert all(u.impact.take() is None and not u.impact.on for u in units)
+    units.close()
+
+
+def test_a_linear_units_output_change_is_its_cheap_gemm_minus_the_exact_one():
+    model = nn.Sequential(nn.Linear(8, 6))
+    (unit,) = find_units(model, "block_fp", backend_options={"low_format": "e2m1", "high_format": "bf16"})
+    unit.impact.start(0, clock=lambda: 0)
+    x = torch.randn(5, 8)
+    model.train()
+    out = model(x)
+    out.sum().backward()
+    (value,) = impacts([unit.impact.take()], torch.device("cpu"))
+    lin = model[0]
+    exact = F.linear(x, lin.weight, lin.bias)
+    expected = 0.5 * 5 * (out.detach() - exact).square().sum()  # dL/dY = 1 on every entry
+    assert value.item() == pytest.approx(expected.item(), rel=1e-4)
+    unit.close()
