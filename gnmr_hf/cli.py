@@ -26,6 +26,7 @@ COMMANDS = {
     "its report",
     "report": "summarize a GNMR decision trace and write its plots",
     "advise": "print the units a run needed persistently as a static carve-out",
+    "plan": "rank a model's units by what their cheap path costs the loss on your text, before training",
 }
 
 
@@ -204,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if argv[0] == "advise":
         return _advise(argv[1:])
+    if argv[0] == "plan":
+        from .cli_plan import main as plan_main
+
+        return plan_main(argv[1:])
     return _demo(argv[1:]) if argv[0] == "demo" else _report(argv[1:])
 
 

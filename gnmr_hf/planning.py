@@ -34,9 +34,9 @@ SHARES = (0.9, 0.99)
 
 
 def parse_budget(value: str | float | int, num_units: int | None = None, what: str = "budget") -> int | float:
-    """A budget as given: a count of units (an int >= 0, at most `num_units` when known) or a fraction of them (a
+    """A budget as given: a count of units (an int >= 1, at most `num_units` when known) or a fraction of them (a
     number in (0, 1)). Errors name `what` and what is allowed."""
-    allowed = f"{what} must be a count of units (an int >= 0) or a fraction of them (a number in (0, 1))"
+    allowed = f"{what} must be a count of units (an int >= 1) or a fraction of them (a number in (0, 1))"
     if isinstance(value, bool):
         raise ValueError(f"{allowed}, got {value!r}")
     if isinstance(value, str):
@@ -54,9 +54,10 @@ def parse_budget(value: str | float | int, num_units: int | None = None, what: s
         raise ValueError(f"{allowed}, got {value!r}")
     if isinstance(number, int) or (float(number).is_integer() and number >= 1):
         count = int(number)
-        if count < 0 or (num_units is not None and count > num_units):
-            top = f" and at most the {num_units} units" if num_units is not None else ""
-            raise ValueError(f"{what} must be a count >= 0{top} or a fraction in (0, 1), got {value!r}")
+        if count < 1:
+            raise ValueError(f"{allowed}, got {value!r}")
+        if num_units is not None and count > num_units:
+            raise ValueError(f"{what} {count} is more than the {num_units} units found")
         return count
     if not (0 < number < 1) or math.isnan(number):
         raise ValueError(f"{allowed}, got {value!r}")

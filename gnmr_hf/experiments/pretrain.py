@@ -19,7 +19,8 @@ same code path, and differ only in precision policy. This module provides exactl
 - **Trainer setup** (`PRESETS`, `training_arguments`): AdamW (betas 0.9/0.95, no weight decay), linear warm-up then
   cosine decay, global clipping at 1.0, fp32, CPU.
 - **Arms** (`ARMS`, `arm_callbacks`): `reference` (no units at all: the plain fp32 model), `static_low`,
-  `static_high`, `gnmr`, `gnmr_relapse` (the relapse-aware lock), `gnmr_cause` (the cause policy), `random`,
+  `static_high`, `gnmr`, `gnmr_relapse` (the relapse-aware lock), `gnmr_cause` (the cause policy), `gnmr_impact`
+  (the impact policy, `--impact_options`), `random`,
   `carve_first_last`, `carve_best`,
   `carve_named` (units chosen by regex) and `global_z` — every arm but the reference runs `GNMRCallback`'s code path
   over the same units (`gnmr_hf.experiments.baselines`); and the stabilizers users reach for first, every unit on
@@ -101,6 +102,7 @@ ARMS = (
     "gnmr",
     "gnmr_relapse",
     "gnmr_cause",
+    "gnmr_impact",
     "random",
     "carve_first_last",
     "carve_best",
@@ -230,6 +232,10 @@ class PretrainArguments:
             "(N + 2 passes per probe instead of 2; gnmr_hf.experiments.oracle.recovery_benefits)."
         },
     )
+    impact_options: str = field(
+        default="",
+        metadata={"help": "The gnmr_impact arm's policy options, 'k=v,k=v' (e.g. 'min_impact=0.001,every=4')."},
+    )
     stabilizer_options: str = field(
         default="",
         metadata={
@@ -269,6 +275,13 @@ class PretrainArguments:
         if "carve_named" in self.arms and not self.carve_named:
             raise ValueError("arm carve_named needs --carve_named REGEX ... (the units it keeps on the recovery path)")
         parse_options(self.stabilizer_options)
+        if self.impact_options:
+            from ..policies.impact import ImpactOptions
+
+            try:
+                ImpactOptions.parse(self.impact_options)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"PretrainArguments.impact_options: {err}") from None
         for arm in self.arms:
             package = missing_package(arm)
             if package:
@@ -567,6 +580,7 @@ def arm_callbacks(
     budget: float | None = None,
     carve_units: Sequence[str] | None = None,
     carve_patterns: Sequence[str] | None = None,
+    impact_options: str | None = None,
 ) -> list[TrainerCallback]:
     """The callbacks of one arm over `config`'s units (see `ARMS`); [] for the reference.
 
@@ -584,6 +598,8 @@ def arm_callbacks(
         return [GNMRCallback(dataclasses.replace(config, relapse_lock=True))]
     if arm in ("gnmr_cause", "gnmr_cause_zclip"):
         return [GNMRCallback(dataclasses.replace(config, policy="cause"))]
+    if arm == "gnmr_impact":
+        return [GNMRCallback(dataclasses.replace(config, policy="impact", policy_options=impact_options or None))]
     if arm in STABILIZER_ARMS:  # the units' part, every unit cheap; run_arm adds the stabilizer
         return [_with_policy(config, "static_low")]
     if arm in ("static_low", "static_high", "global_z"):
@@ -641,7 +657,13 @@ def run_arm(
     train = block_dataset(corpus.train, pretrain.seq_len, args.max_steps * batch, data_seed)
     validation = block_dataset(corpus.validation, pretrain.seq_len, pretrain.eval_blocks, None)
     callbacks = arm_callbacks(
-        arm, config, seed, budget=budget, carve_units=carve_units, carve_patterns=pretrain.carve_named
+        arm,
+        config,
+        seed,
+        budget=budget,
+        carve_units=carve_units,
+        carve_patterns=pretrain.carve_named,
+        impact_options=pretrain.impact_options,
     )
     owner = next((cb for cb in callbacks if isinstance(cb, GNMRCallback)), None)
     if owner is not None and pretrain.oracle_every and arm.startswith("gnmr"):
