@@ -17,7 +17,7 @@ from gnmr_hf import GNMRConfig, find_units
 from gnmr_hf.backends.block_fp import BlockFPOptions, GemmFormat, block_fp_linear
 from gnmr_hf.experiments.faults import FaultyGemmFormat, clear_fault, inject_fault
 from gnmr_hf.experiments.pretrain import build_model, llama_config
-from gnmr_hf.quant import FORMATS, quantize_blocks
+from gnmr_hf.quant import FORMATS, quantize_blocks, random_hadamard, rotate_rows
 
 from trainer_utils import load_recipe
 
@@ -65,7 +65,13 @@ def test_options_come_as_keywords_config_fields_or_command_line_text():
         ({"low_format": "fp4"}, "'low_format' must be one of"),
         ({"high_format": "e3m2"}, "'high_format' must be one of ['e4m3', 'e5m2', 'bf16']"),
         ({"low_format": "e4m3", "high_format": "e4m3"}, "'high_format' must differ from low_format"),
-        ({"scaling": "tile"}, "'scaling' must be one of ['fp32', 'mx']"),
+        ({"scaling": "tile"}, "'scaling' must be one of ['fp32', 'mx', 'nvfp4']"),
+        ({"scaling": "nvfp4"}, "'low_format' must be 'e2m1' with scaling='nvfp4'"),
+        ({"low_format": "e2m1", "scaling": "nvfp4", "weight_blocks": "2d"}, "'weight_blocks' must be one of"),
+        ({"weight_blocks": "1x16"}, "'weight_blocks' applies to scaling='nvfp4' only"),
+        ("wgrad_rht=yes", "'wgrad_rht' must be bool"),
+        ("stochastic_rounding=1", "'stochastic_rounding' must be bool"),
+        ({"rounding_seed": -1}, "'rounding_seed' must be an int in 0..4294967295"),
         ("quantize_eval=sometimes", "'quantize_eval' must be bool"),
         ({"signal": "loss"}, "'signal' must be one of"),
         ({"bits": 6}, "unknown options ['bits']"),
@@ -385,6 +391,196 @@ def test_eval_mode_runs_the_plain_matmul_unless_quantize_eval():
         assert torch.equal(evaluated, train if quantize_eval else plain)
         assert not torch.equal(train, plain)
         unit.close()
+
+
+# ------------------------------------------------------------------------------------ NVFP4 (scaling="nvfp4")
+
+NVFP4 = "low_format=e2m1,high_format=bf16,scaling=nvfp4"
+
+
+def nvfp4(t: torch.Tensor, block: tuple[int, int], **kwargs) -> torch.Tensor:
+    return quantize_blocks(t, "e2m1", block, scale="nvfp4", **kwargs)
+
+
+class Unrounded(GemmFormat):
+    """A GemmFormat whose rounding is off (each operand as it is): what is left is the wiring around it."""
+
+    def operand(self, t, contract, *, weight=False, generator=None):
+        return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("weight_blocks", "w_fprop", "w_dgrad"), [("16x16", (16, 16), (16, 16)), ("1x16", (1, 16), (16, 1))]
+)
+def test_nvfp4_rounds_each_gemm_in_16_element_blocks_along_its_contraction_dimension(weight_blocks, w_fprop, w_dgrad):
+    x, w, b, dy = operands()
+    y, dx, dw, _ = run(x, w, b, dy, GemmFormat("e2m1", "nvfp4", weight_blocks=weight_blocks))
+    x2, g2 = x.reshape(-1, 256), dy.reshape(-1, 192)
+    assert torch.equal(y.reshape(-1, 192), nvfp4(x2, (1, 16)) @ nvfp4(w, w_fprop).t() + b)
+    assert torch.equal(dx.reshape(-1, 256), nvfp4(g2, (1, 16)) @ nvfp4(w, w_dgrad))
+    assert torch.equal(dw, nvfp4(g2, (16, 1)).t() @ nvfp4(x2, (16, 1)))
+
+
+def test_16x16_weight_blocks_give_the_forward_and_the_backward_the_same_quantized_weight():
+    w = operands()[1]
+    square, rows = GemmFormat("e2m1", "nvfp4"), GemmFormat("e2m1", "nvfp4", weight_blocks="1x16")
+    assert torch.equal(square.operand(w, 1, weight=True), square.operand(w, 0, weight=True))
+    assert not torch.equal(rows.operand(w, 1, weight=True), rows.operand(w, 0, weight=True))
+
+
+def test_nvfp4_gradients_are_within_the_formats_bound_of_a_float64_reference():
+    x, w, b, dy = operands(seed=1)
+    y, dx, dw, _ = run(x, w, b, dy, GemmFormat("e2m1", "nvfp4"))
+    x2, g2, w64 = x.reshape(-1, 256).double(), dy.reshape(-1, 192).double(), w.double()
+    checks = {
+        "y": (
+            y.reshape(-1, 192),
+            x2 @ w64.t() + b.double(),
+            gemm_bound(x2, (1, 16), w64.t(), (16, 16), "e2m1", "nvfp4"),
+        ),
+        "dx": (dx.reshape(-1, 256), g2 @ w64, gemm_bound(g2, (1, 16), w64, (16, 16), "e2m1", "nvfp4")),
+        "dW": (dw, g2.t() @ x2, gemm_bound(g2.t(), (1, 16), x2, (16, 1), "e2m1", "nvfp4")),
+    }
+    for name, (got, exact, bound) in checks.items():
+        error = (got.double() - exact).abs()
+        assert (error <= bound * (1 + 1e-6)).all(), (name, (error / bound).max().item())
+        assert 1e-3 < (error / bound).max() <= 1, name
+
+
+def test_the_nvfp4_options_reach_the_cheap_path_and_an_fp8_recovery_keeps_fp32_scaling():
+    units = find_units(
+        tiny_llama(), "block_fp", backend_options=NVFP4.replace("bf16", "e4m3") + ",wgrad_rht=true,weight_blocks=1x16"
+    )
+    low, high = units[0].low, units[0].high
+    assert (low.fmt, low.scaling, low.weight_blocks, low.wgrad_rht, low.stochastic_rounding) == (
+        "e2m1", "nvfp4", "1x16", True, False,
+    )  # fmt: skip
+    assert (high.fmt, high.scaling, high.wgrad_rht) == ("e4m3", "fp32", False)
+    assert units[0].describe()["scaling"] == "nvfp4"
+    units.close()
+
+
+def test_wgrad_rht_leaves_every_gemm_unchanged_when_rounding_is_off():
+    x, w, b, dy = operands()
+    x, w, b, dy = x.double(), w.double(), b.double(), dy.double()
+    plain = run(x, w, b, dy, Unrounded("e2m1", "nvfp4"))
+    rotated = run(x, w, b, dy, Unrounded("e2m1", "nvfp4", wgrad_rht=True))
+    assert torch.equal(rotated[0], plain[0]) and torch.equal(rotated[1], plain[1])  # y and dx: not rotated
+    torch.testing.assert_close(rotated[2], plain[2], rtol=1e-12, atol=1e-12)  # 300 tokens: padded to 304
+    torch.testing.assert_close(plain[2], dy.reshape(-1, 192).t() @ x.reshape(-1, 256), rtol=1e-12, atol=1e-12)
+
+
+def test_wgrad_rht_rotates_both_inputs_of_the_weight_gradient_gemm_before_rounding_them():
+    x, w, b, dy = operands()
+    _, dx, dw, _ = run(x, w, b, dy, GemmFormat("e2m1", "nvfp4", wgrad_rht=True, seed=3))
+    h = random_hadamard(16, seed=3)
+    x2, g2 = x.reshape(-1, 256), dy.reshape(-1, 192)
+    assert torch.equal(dw, nvfp4(rotate_rows(g2, h), (16, 1)).t() @ nvfp4(rotate_rows(x2, h), (16, 1)))
+    assert torch.equal(dx, run(x, w, b, dy, GemmFormat("e2m1", "nvfp4"))[1])
+
+
+def test_stochastic_rounding_rounds_only_the_output_gradient_and_never_reads_torchs_rng():
+    x, w, b, dy = operands()
+    fmt = GemmFormat("e2m1", "nvfp4", stochastic_rounding=True, draw=5)
+    nearest = run(x, w, b, dy, GemmFormat("e2m1", "nvfp4"))
+    torch.manual_seed(0)
+    first = run(x, w, b, dy, fmt)
+    torch.manual_seed(1)
+    second = run(x, w, b, dy, fmt)
+    assert all(torch.equal(one, other) for one, other in zip(first, second, strict=True))
+    assert torch.equal(first[0], nearest[0])  # the forward rounds to nearest
+    assert not torch.equal(first[1], nearest[1]) and not torch.equal(first[2], nearest[2])
+    g2 = dy.reshape(-1, 192)
+    assert torch.equal(
+        first[1].reshape(-1, 256),
+        nvfp4(g2, (1, 16), stochastic=True, generator=fmt.grad_generator(g2.device, 1)) @ nvfp4(w, (16, 16)),
+    )
+
+
+def test_stochastic_rounding_draws_anew_in_each_training_pass_and_the_same_in_every_process():
+    x, _, _, dy = operands()
+
+    def two_passes(global_seed):
+        torch.manual_seed(global_seed)
+        model = nn.Sequential(nn.Linear(256, 192))
+        with torch.no_grad():
+            model[0].weight.copy_(operands()[1])
+        find_units(model, "block_fp", backend_options=NVFP4 + ",stochastic_rounding=true")
+        grads = []
+        for _ in range(2):
+            model(x).backward(dy)
+            grads.append(model[0].weight.grad.clone())
+            model[0].weight.grad = None
+        return grads
+
+    a, b = two_passes(0), two_passes(1)  # two "ranks" whose torch RNGs differ
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], a[1])
+
+
+def test_a_unit_restored_from_its_state_draws_what_the_uninterrupted_unit_drew():
+    x, _, _, dy = operands()
+    model, unit = linear_unit(low_format="e2m1", high_format="bf16", scaling="nvfp4", stochastic_rounding=True)
+    model(x).backward(dy)
+    state = json.loads(json.dumps(unit.meter_state()))  # as a checkpoint keeps it
+    assert state == {"rounding_passes": 1}
+    model[0].weight.grad = None
+    model(x).backward(dy)
+    uninterrupted = model[0].weight.grad.clone()
+    unit.close()
+    resumed_model, resumed = linear_unit(
+        low_format="e2m1", high_format="bf16", scaling="nvfp4", stochastic_rounding=True
+    )
+    resumed.load_meter_state(state)
+    resumed_model(x).backward(dy)
+    assert torch.equal(resumed_model[0].weight.grad, uninterrupted)
+    with pytest.raises(ValueError, match="'rounding_passes' must be an int >= 0"):
+        resumed.load_meter_state({"rounding_passes": -1})
+
+
+def test_a_resumed_training_run_with_stochastic_rounding_repeats_the_uninterrupted_run(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from gnmr_hf import GNMRCallback
+    from gnmr_hf.experiments.pretrain import block_dataset
+
+    tokens = torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0))
+    options = NVFP4 + ",wgrad_rht=true,stochastic_rounding=true"
+
+    def train(out, resume=None, **save):
+        model = build_model(llama_config(d_model=32, n_layers=2, n_heads=2, seq_len=32), seed=0)
+        args = TrainingArguments(
+            output_dir=str(out), max_steps=4, per_device_train_batch_size=4, use_cpu=True, report_to=[],
+            disable_tqdm=True, train_sampling_strategy="sequential", learning_rate=1e-2, seed=0, logging_steps=1,
+            **save,
+        )  # fmt: skip
+        callback = GNMRCallback(GNMRConfig(backend="block_fp", backend_options=options, include=[r"_proj$"]))
+        trainer = Trainer(model=model, args=args, train_dataset=block_dataset(tokens, 32, 32, 0), callbacks=[callback])
+        trainer.train(resume_from_checkpoint=resume)
+        return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+    reference = train(tmp_path / "full")
+    train(tmp_path / "run", save_strategy="steps", save_steps=2)
+    state_file = tmp_path / "run" / "checkpoint-2" / "trainer_state.json"
+    saved = json.loads(state_file.read_text())["stateful_callbacks"]["GNMRCallback"]["attributes"]
+    passes = [state["rounding_passes"] for state in saved["unit_fidelity_state"].values()]
+    assert passes == [2] * 14  # one training pass per step, carried by the checkpoint
+    resume = str(tmp_path / "run" / "checkpoint-2")
+    assert train(tmp_path / "run", resume=resume) == reference  # steps 1-2 restored from the checkpoint, 3-4 rerun
+    # Not vacuous: without the count the resumed units draw the first steps' numbers again.
+    edited = json.loads(state_file.read_text())
+    edited["stateful_callbacks"]["GNMRCallback"]["attributes"]["unit_fidelity_state"] = None
+    state_file.write_text(json.dumps(edited))
+    assert train(tmp_path / "run", resume=resume)[2:] != reference[2:]
+
+
+def test_an_injected_fault_keeps_the_units_nvfp4_recipe():
+    _, unit = linear_unit(low_format="e2m1", high_format="bf16", scaling="nvfp4", wgrad_rht=True, rounding_seed=4)
+    recipe = unit.low
+    inject_fault(unit, 30.0, 16)
+    assert (unit.low.scaling, unit.low.wgrad_rht, unit.low.seed) == ("nvfp4", True, 4)
+    clear_fault(unit)
+    assert unit.low == recipe
 
 
 # ---------------------------------------------------------------------------------------------- end to end

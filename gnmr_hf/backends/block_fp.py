@@ -1,14 +1,18 @@
 """block_fp backend: every GEMM input of an `nn.Linear`, forward and backward, in a block-scaled low-bit float.
 
 The cheap path rounds the input and weight (forward) and the output gradient (backward) to `low_format` (FP6 e3m2
-by default, FP4 e2m1) with DeepSeek-V3 scaling (1x128 activation tiles, 128x128 weight blocks, FP32 scales) or
-OCP MX; recovery does the same in `high_format` (FP8 e4m3, or BF16). Emulated with `gnmr_hf.quant`; the weight
+by default, FP4 e2m1) with DeepSeek-V3 scaling (1x128 activation tiles, 128x128 weight blocks, FP32 scales), OCP
+MX, or NVIDIA's NVFP4 recipe (1x16 blocks with E4M3 scales over an FP32 scale per tensor, 16x16 weight blocks, and
+as options a random Hadamard rotation of the weight-gradient GEMM's inputs and stochastic rounding of the output
+gradient); recovery does the same in `high_format` (FP8 e4m3, or BF16). Emulated with `gnmr_hf.quant`; the weight
 itself is never written, so recovery holds nothing. Formats, scaling and error bounds: docs/block_fp.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+import hashlib
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -16,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..fidelity import TensorCache, pending_operand, resolve, take_rows
-from ..quant import FORMATS, quantize_blocks
+from ..quant import FORMATS, quantize_blocks, random_hadamard, rotate_rows
 from ..signals import SignalOptions
 from ..units import Backend, DispatchContext, RecoverableUnit, SwitchedUnit, not_plain_linear
 
@@ -31,17 +35,26 @@ __all__ = [
 ]
 
 HIGH_FORMATS = ("e4m3", "e5m2", "bf16")
-SCALINGS = ("fp32", "mx")
-# DeepSeek-V3's tile and block edge with FP32 scales; the OCP MX block with power-of-two scales.
+SCALINGS = ("fp32", "mx", "nvfp4")
+WEIGHT_BLOCKS = ("16x16", "1x16")
+# DeepSeek-V3's tile and block edge with FP32 scales; the OCP MX block with power-of-two scales; NVFP4's block (and
+# its Hadamard rotation's size), with E4M3 scales.
 TILE = 128
 MX_BLOCK = 32
+NVFP4_BLOCK = 16
 
 
 @dataclass(frozen=True)
 class GemmFormat:
     """How one path rounds the inputs of a Linear's GEMMs: an element format (a key of `quant.FORMATS`, or "bf16")
     and a scaling mode ("fp32": 1x128 tiles, 128x128 weight blocks, FP32 scales; "mx": 32-element blocks,
-    power-of-two scales).
+    power-of-two scales; "nvfp4": 1x16 blocks, E4M3 scales over an FP32 scale per tensor, and `weight_blocks`).
+
+    NVFP4's other recipe parts, for any scaling: `wgrad_rht` rotates both inputs of the weight-gradient GEMM along
+    the tokens by a 16x16 random Hadamard matrix (from `seed`; the product is unchanged in exact arithmetic), and
+    `stochastic_rounding` rounds the output gradient stochastically, with draws seeded by (`seed`, `draw`, the
+    GEMM): a unit sets `draw` per training pass, so that every rank and a resumed run draw the same numbers. `draw`
+    is not compared: a format with another draw is the same format.
 
     `BlockFPLinear` rounds the Linear's input through `input_operand` and its output gradient through
     `grad_operand`, and a measure rounds sampled rows of them through `input_rows` and `grad_rows`: a format that
@@ -49,34 +62,72 @@ class GemmFormat:
 
     fmt: str
     scaling: str
+    # Keyword-only, so that a subclass's own fields can still follow fmt and scaling positionally.
+    weight_blocks: str = field(default="16x16", kw_only=True)
+    wgrad_rht: bool = field(default=False, kw_only=True)
+    stochastic_rounding: bool = field(default=False, kw_only=True)
+    seed: int = field(default=0, kw_only=True)
+    draw: int = field(default=0, kw_only=True, compare=False)
 
-    def operand(self, t: torch.Tensor, contract: int, *, weight: bool = False) -> torch.Tensor:
+    def operand(
+        self, t: torch.Tensor, contract: int, *, weight: bool = False, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         """2-D `t` as a GEMM multiplies it, float32: blocks run along dimension `contract` (0 rows, 1 columns) of t,
-        the dimension the GEMM sums over; with `weight=True` and FP32 scaling, 128x128 blocks whatever `contract`."""
+        the dimension the GEMM sums over; with `weight=True`, FP32 scaling's 128x128 blocks and NVFP4's 16x16 ones
+        (unless `weight_blocks="1x16"`) whatever `contract`. `generator`: round stochastically with its draws."""
         if self.fmt == "bf16":
             return t.to(torch.bfloat16).to(torch.float32)
         if self.scaling == "mx":
-            return quantize_blocks(t, self.fmt, (1, MX_BLOCK) if contract else (MX_BLOCK, 1), scale="pow2")
-        if weight:
-            return quantize_blocks(t, self.fmt, (TILE, TILE))
-        return quantize_blocks(t, self.fmt, (1, TILE) if contract else (TILE, 1))
+            block, scale = _along(MX_BLOCK, contract), "pow2"
+        elif self.scaling == "nvfp4":
+            square = weight and self.weight_blocks == "16x16"
+            block, scale = (NVFP4_BLOCK, NVFP4_BLOCK) if square else _along(NVFP4_BLOCK, contract), "nvfp4"
+        else:
+            block, scale = (TILE, TILE) if weight else _along(TILE, contract), "fp32"
+        return quantize_blocks(t, self.fmt, block, scale=scale, stochastic=generator is not None, generator=generator)
 
     def input_operand(self, x2: torch.Tensor, contract: int) -> torch.Tensor:
-        """`operand` of a Linear's input `x2` ([tokens, features])."""
+        """`operand` of a Linear's input `x2` ([tokens, features]); along the tokens (the weight-gradient GEMM's
+        input) rotated first with `wgrad_rht`, its rows then zero-padded to a multiple of 16."""
+        if contract == 0 and self.wgrad_rht:
+            x2 = rotate_rows(x2, _rotation(self.seed, x2.device))
         return self.operand(x2, contract)
 
     def grad_operand(self, g2: torch.Tensor, contract: int) -> torch.Tensor:
-        """`operand` of a Linear's output gradient `g2` ([tokens, out features])."""
-        return self.operand(g2, contract)
+        """`operand` of a Linear's output gradient `g2` ([tokens, out features]), rotated as `input_operand` rotates
+        the input, and rounded stochastically with `stochastic_rounding`."""
+        if contract == 0 and self.wgrad_rht:
+            g2 = rotate_rows(g2, _rotation(self.seed, g2.device))
+        return self.operand(g2, contract, generator=self.grad_generator(g2.device, contract))
+
+    def grad_generator(self, device: torch.device, contract: int) -> torch.Generator | None:
+        """The generator of the output gradient's stochastic rounding in the GEMM that contracts over `contract`
+        (None: round to nearest): seeded from (`seed`, `draw`, `contract`) alone, never from torch's global one."""
+        if not self.stochastic_rounding:
+            return None
+        digest = hashlib.blake2b(f"{self.seed}/{self.draw}/{contract}".encode(), digest_size=8).digest()
+        return torch.Generator(device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
     def input_rows(self, x_rows: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
         """What `input_operand(x2, 1)` reads at the rows `index` of x2 (all when None), from those rows alone
-        (`x_rows`): activation tiles run along a row, so the rows round apart as in the whole."""
+        (`x_rows`): activation tiles run along a row, so the rows round apart as in the whole (with NVFP4 within
+        the per-tensor scale, which here is the rows' own: an estimate)."""
         return self.operand(x_rows, 1)
 
     def grad_rows(self, g_rows: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
         """`input_rows` of the output gradient: what `grad_operand(g2, 1)` reads at the rows `index` of g2."""
-        return self.operand(g_rows, 1)
+        return self.operand(g_rows, 1, generator=self.grad_generator(g_rows.device, 1))
+
+
+def _along(size: int, contract: int) -> tuple[int, int]:
+    """A block of `size` elements along dimension `contract` of a 2-D operand."""
+    return (1, size) if contract else (size, 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _rotation(seed: int, device: torch.device) -> torch.Tensor:
+    # One 16x16 matrix per run (every unit, every step), as the recipe's fixed random signs.
+    return random_hadamard(NVFP4_BLOCK, seed, device=device)
 
 
 class BlockFPLinear(torch.autograd.Function):
@@ -197,8 +248,36 @@ class BlockFPOptions(SignalOptions):
         default="fp32",
         metadata={
             "help": "'fp32': DeepSeek-V3's 1x128 tiles (activations, gradients) and 128x128 blocks (weights) with "
-            "FP32 scales; 'mx': OCP MX, 32-element blocks with power-of-two scales."
+            "FP32 scales; 'mx': OCP MX, 32-element blocks with power-of-two scales; 'nvfp4': NVIDIA's NVFP4 "
+            "(low_format e2m1 only), 1x16 blocks with E4M3 scales over an FP32 scale per tensor, weights in "
+            "weight_blocks (the recovery path then keeps FP32 scaling, or bf16)."
         },
+    )
+    weight_blocks: str = field(
+        default="16x16",
+        metadata={
+            "help": "With scaling=nvfp4, the weight's blocks: '16x16' (the recipe: the forward and the backward read "
+            "the same quantized weight) or '1x16' (along the contraction dimension of each GEMM, as activations)."
+        },
+    )
+    wgrad_rht: bool = field(
+        default=False,
+        metadata={
+            "help": "Cheap path: rotate both inputs of the weight-gradient GEMM along the tokens by a 16x16 random "
+            "Hadamard matrix (seeded by rounding_seed) before rounding them; the product is unchanged in exact "
+            "arithmetic (NVFP4's recipe)."
+        },
+    )
+    stochastic_rounding: bool = field(
+        default=False,
+        metadata={
+            "help": "Cheap path: round the output gradient (the dgrad and wgrad GEMMs' input) stochastically, "
+            "unbiased, with draws from rounding_seed and the unit's count of training passes (NVFP4's recipe)."
+        },
+    )
+    rounding_seed: int = field(
+        default=0,
+        metadata={"help": "Seed of wgrad_rht's random signs and of stochastic_rounding's draws (not torch's RNG)."},
     )
     quantize_lm_head: bool = field(
         default=False,
@@ -219,6 +298,20 @@ class BlockFPOptions(SignalOptions):
                 f"path), got both {self.low_format!r}"
             )
         self.check_choice("scaling", SCALINGS)
+        if self.scaling == "nvfp4" and self.low_format != "e2m1":
+            raise ValueError(
+                f"option 'low_format' must be 'e2m1' with scaling='nvfp4' (NVFP4's element format), got "
+                f"{self.low_format!r}"
+            )
+        self.check_choice("weight_blocks", WEIGHT_BLOCKS)
+        if self.weight_blocks != "16x16" and self.scaling != "nvfp4":
+            raise ValueError(
+                f"option 'weight_blocks' applies to scaling='nvfp4' only; with scaling={self.scaling!r} leave it "
+                f"'16x16', got {self.weight_blocks!r}"
+            )
+        self.check_bool("wgrad_rht")
+        self.check_bool("stochastic_rounding")
+        self.check_int("rounding_seed", 0, 2**32 - 1)
         self.check_bool("quantize_lm_head")
         self.check_bool("quantize_eval")
 
@@ -237,10 +330,20 @@ class BlockFPUnit(SwitchedUnit):
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext[BlockFPOptions]) -> None:
         options = ctx.options
-        self.low = GemmFormat(options.low_format, options.scaling)
-        self.high = GemmFormat(options.high_format, options.scaling)
+        self.low = GemmFormat(
+            options.low_format,
+            options.scaling,
+            weight_blocks=options.weight_blocks,
+            wgrad_rht=options.wgrad_rht,
+            stochastic_rounding=options.stochastic_rounding,
+            seed=options.rounding_seed,
+        )
+        # NVFP4 is an FP4 recipe: an FP8 recovery path keeps DeepSeek-V3's FP32-scaled tiles (bf16 has no scales).
+        self.high = GemmFormat(options.high_format, "fp32" if options.scaling == "nvfp4" else options.scaling)
         self._cache = ctx.once(_probe_cache)
         self._weight_held: tuple[int, Any] | None = None
+        # Training passes on the cheap path with stochastic rounding: each pass's draws (`GemmFormat.draw`).
+        self._passes = 0
         super().__init__(name, module, ctx)
 
     def describe(self) -> dict[str, Any]:
@@ -267,13 +370,24 @@ class BlockFPUnit(SwitchedUnit):
 
     def meter_state(self) -> dict[str, Any] | None:
         # The held weight measure: a resumed run reports it on the steps the uninterrupted run did (exactly: a
-        # float32 loss survives JSON's float64).
-        if self._weight_held is None:
-            return None
-        step, part = self._weight_held
-        return {"weight_measured_at": step, "weight_loss": float(resolve(part))}
+        # float32 loss survives JSON's float64). The count of passes that seeds stochastic rounding: a resumed run
+        # draws what the uninterrupted one drew.
+        state: dict[str, Any] = {}
+        if self._weight_held is not None:
+            step, part = self._weight_held
+            state.update(weight_measured_at=step, weight_loss=float(resolve(part)))
+        if self.options.stochastic_rounding:
+            state["rounding_passes"] = self._passes
+        return state or None
 
     def load_meter_state(self, state: dict[str, Any]) -> None:
+        if "rounding_passes" in state:
+            passes = state["rounding_passes"]
+            if isinstance(passes, bool) or not isinstance(passes, int) or passes < 0:
+                raise ValueError(f"block_fp unit {self.name!r}: 'rounding_passes' must be an int >= 0, got {passes!r}")
+            self._passes = passes
+            if state.keys() == {"rounding_passes"}:
+                return
         try:
             step, loss = int(state["weight_measured_at"]), float(state["weight_loss"])
         except (KeyError, TypeError, ValueError) as e:
@@ -285,7 +399,14 @@ class BlockFPUnit(SwitchedUnit):
         self._weight_held = (step, loss_tensor)
 
     def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.low)
+        low = self.low
+        if self.options.stochastic_rounding and self.module.training and torch.is_grad_enabled():
+            # One draw per training pass, from this unit's name and count alone: the same on every rank and, with
+            # the count restored (`meter_state`), after a resume; a forward recomputed by gradient checkpointing
+            # counts too, the same way in every run.
+            self._passes += 1
+            low = replace(low, draw=_draw(self.name, self._passes))
+        return self._linear(x, low)
 
     def recovery_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.high)
@@ -319,6 +440,10 @@ class BlockFPUnit(SwitchedUnit):
             cheap_x, cheap_w = self.low.input_rows(x_rows, index), self.low.operand(weight, 1, weight=True)
             cheap = F.linear(cheap_x, cheap_w, None if bias is None else bias.float()).to(out.dtype).float()
         self.impact.offer(out, cheap - exact, index)
+
+
+def _draw(name: str, passes: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{name}/{passes}".encode(), digest_size=8).digest(), "little")
 
 
 def _probe_cache(ctx: DispatchContext) -> TensorCache:

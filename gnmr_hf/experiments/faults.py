@@ -15,7 +15,7 @@ policy sees a fault. `benchmarks/fault_injection.py` schedules faults during pre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -106,8 +106,10 @@ def inject_fault(unit: RecoverableUnit, scale: float, stride: int = 1, operand: 
     """Corrupt `unit`'s cheap path from its next forward on, until `clear_fault` (`scale` 1.0: clear it now).
     `operand`: "grad" corrupts a block_fp unit's output gradient instead of its input."""
     if isinstance(unit, BlockFPUnit):
-        fmt = FaultyGemmFormat(unit.low.fmt, unit.low.scaling, float(scale), stride, operand)
-        unit.low = fmt if scale != 1.0 else GemmFormat(fmt.fmt, fmt.scaling)
+        # The unit's recipe (format, scaling, NVFP4's parts) stays; only the fault changes.
+        recipe = {f.name: getattr(unit.low, f.name) for f in fields(GemmFormat)}
+        fmt = FaultyGemmFormat(**recipe, fault_scale=float(scale), fault_stride=stride, fault_operand=operand)
+        unit.low = fmt if scale != 1.0 else GemmFormat(**recipe)
     elif hasattr(unit, "scale_transform"):  # every act_quant unit kind
         if operand != "input":
             raise ValueError(
