@@ -1,6 +1,8 @@
 """`gnmr-hf report TRACE`: the summary of a decision trace, and its plots.
 
-Two PNG files next to the trace (or in `--out`):
+Two PNG files next to the trace (or in `--out`), named after it (`plot_names`: `gnmr_trace.jsonl` gives the two below,
+the earlier run's `gnmr_trace.1.jsonl` gives `gnmr_recovery.1.png` and `gnmr_scores.1.png`, so that reporting on one
+trace never overwrites another's plots):
 - `gnmr_recovery.png`: a units x steps heatmap, dark where a unit ran in recovery, with risky steps marked;
 - `gnmr_scores.png`: the risk timelines of the units that spent longest in recovery (when none did, of the units
   with the highest risk, and the plot says that nothing was risky), against the threshold 1 (risk is
@@ -17,9 +19,18 @@ from typing import Any
 
 import numpy as np
 
-from .trace import TraceSummary, iter_scores
+from .trace import TraceSummary, iter_scores, trace_path
 
-__all__ = ["plot_trace", "report"]
+__all__ = ["plot_names", "plot_trace", "report"]
+
+
+def plot_names(trace: str | os.PathLike[str]) -> tuple[str, str]:
+    """The file names of `trace`'s two plots: its name with `trace` replaced by `recovery` and `scores`
+    (`gnmr_trace.1.jsonl`: `gnmr_recovery.1.png`), or with `_recovery` and `_scores` added where it has no `trace`."""
+    stem = Path(trace).stem
+    if "trace" in stem:
+        return stem.replace("trace", "recovery", 1) + ".png", stem.replace("trace", "scores", 1) + ".png"
+    return f"{stem}_recovery.png", f"{stem}_scores.png"
 
 
 def _pyplot() -> Any:
@@ -39,8 +50,9 @@ def plot_trace(
     summary: TraceSummary,
     out_dir: str | os.PathLike[str],
     top_k: int = 8,
+    files: tuple[str, str] = ("gnmr_recovery.png", "gnmr_scores.png"),
 ) -> list[Path]:
-    """Write the heatmap and the score timelines; return their paths."""
+    """Write the heatmap and the score timelines as `files` in `out_dir`; return their paths."""
     plt = _pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +84,7 @@ def plot_trace(
         f"GNMR recovery: {summary.recovery_fraction:.2%} of unit-steps, max_active={header['config']['max_active']}"
     )
     fig.tight_layout()
-    heatmap = out_dir / "gnmr_recovery.png"
+    heatmap = out_dir / files[0]
     fig.savefig(heatmap, dpi=120)
     plt.close(fig)
 
@@ -83,7 +95,7 @@ def plot_trace(
         # Nothing was risky: show the units that came closest, so that the plot shows how far below 1 they stayed.
         peak: dict[int, float] = {}
         for record in steps:
-            for i, risk in record["top"]:
+            for i, risk in record.get("top", ()):
                 peak[i] = max(peak.get(i, 0.0), float(risk))
         top = [names[i] for i in sorted(peak, key=lambda i: (-peak[i], i))[:top_k]]
         title = "No unit was risky (risk never above 1): the highest risks, for scale"
@@ -108,7 +120,7 @@ def plot_trace(
     if top:
         ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    scores = out_dir / "gnmr_scores.png"
+    scores = out_dir / files[1]
     fig.savefig(scores, dpi=120)
     plt.close(fig)
     return [heatmap, scores]
@@ -121,9 +133,12 @@ def report(
     plots: bool = True,
     top_k: int = 8,
 ) -> tuple[TraceSummary, list[Path]]:
-    """Summarize a trace (and plot it unless `plots=False`); returns the summary and the plot paths."""
+    """Summarize a trace, or a run folder's (and plot it unless `plots=False`, beside it unless `out_dir` is given);
+    returns the summary and the plot paths."""
+    trace = trace_path(trace)
     summary, header, steps = TraceSummary.from_trace(trace)
     paths: list[Path] = []
     if plots:
-        paths = plot_trace(header, steps, summary, out_dir if out_dir is not None else Path(trace).parent, top_k)
+        out = out_dir if out_dir is not None else trace.parent
+        paths = plot_trace(header, steps, summary, out, top_k, plot_names(trace))
     return summary, paths

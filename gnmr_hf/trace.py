@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,11 +34,13 @@ import numpy as np
 
 from .controller import HostDecision
 
-__all__ = ["TraceSummary", "TraceWriter", "read_trace", "set_aside"]
+__all__ = ["TraceSummary", "TraceWriter", "read_trace", "set_aside", "trace_path"]
 
 logger = logging.getLogger("gnmr_hf")
 
 TRACE_VERSION = 2
+# The trace's name in a run's folder (`GNMRConfig.trace_file`'s default): what `gnmr-hf report RUN_FOLDER` reads.
+TRACE_FILE = "gnmr_trace.jsonl"
 # Version 1 (gnmr-hf 0.1.0) named two fields after what they were not: they hold a count of scored units and a risk.
 _V1_NAMES = {"n_eligible": "n_scored", "max_score": "max_risk"}
 # The cause policy's traced losses were `cause.severity` before the loss of a cheap path got one name; a resumed run
@@ -169,14 +171,29 @@ def _is_one_json_document(text: str) -> bool:
     return True
 
 
+def trace_path(path: str | os.PathLike[str]) -> Path:
+    """`path`, or where `path` is a run's folder (a Trainer's output_dir), the trace in it (`TRACE_FILE`)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    if (path / TRACE_FILE).is_file():
+        return path / TRACE_FILE
+    others = sorted(p.name for p in path.glob("*.jsonl"))
+    raise FileNotFoundError(
+        f"read_trace: the folder {path} has no {TRACE_FILE}"
+        + (f"; pass one of its traces: {', '.join(others)}" if others else " (nor any other .jsonl file)")
+    )
+
+
 def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Return (header, records) of a trace file: the records are the "step" and "skip" lines, in order.
+    """Return (header, records) of a trace file, or of a run folder's trace: the records are the "step" and "skip"
+    lines, in order.
 
     A trace of gnmr-hf 0.1.0 (version 1) is read with its fields renamed to today's, and so is a cause-policy step
     written as `cause.severity` (now `cause.cheap_loss`). Errors are clear: no file, no header, a corrupt line (other
     than a cut-off last line, which is dropped with a warning).
     """
-    path = Path(path)
+    path = trace_path(path)
     if not path.is_file():
         raise FileNotFoundError(f"read_trace: no trace file at {path}")
     header: dict[str, Any] | None = None
@@ -198,7 +215,65 @@ def read_trace(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[
             raise ValueError(f"read_trace: {path}: record {lineno} has unknown record type {kind!r}")
     if header is None:
         raise ValueError(f"read_trace: {path} has no header line; is it a gnmr-hf trace?")
+    _check_header(path, header)
+    for record in records:
+        _check_units(path, record, len(header["units"]))
     return header, records
+
+
+def _check_header(path: Path, header: dict[str, Any]) -> None:
+    """What every reader relies on: a version this code knows, and the unit names the records' indices refer to."""
+    version = header.get("version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= TRACE_VERSION:
+        raise ValueError(
+            f"read_trace: {path}: the header's 'version' is {version!r}; this gnmr-hf reads traces of version 1 to "
+            f"{TRACE_VERSION} (a newer gnmr-hf wrote it: upgrade to read it)"
+        )
+    units = header.get("units")
+    if not isinstance(units, list) or not all(isinstance(n, str) for n in units):
+        got = "none" if units is None else f"{type(units).__name__} {units!r}"[:80]
+        raise ValueError(
+            f"read_trace: {path}: the header's 'units' must be the list of unit names the records' indices refer to, "
+            f"got {got}; is it a gnmr-hf trace?"
+        )
+
+
+def _check_units(path: Path, record: dict[str, Any], n: int) -> None:
+    """Every unit index a step record holds is one of the header's `n` units, so that a reader can index by it. (Which
+    fields a reader needs is the reader's to check: a tool may read traces written with a few fields only.)"""
+    if record.get("type") != "step":
+        return
+    where = f"read_trace: {path}: step {record['step']}"
+    indices = {key: record[key] for key in ("active", "entered", "exited", "risky", "left_out") if key in record}
+    cause = record.get("cause") if isinstance(record.get("cause"), dict) else {}
+    # Rows that start with a unit: `top` [unit, risk]; the cause policy's `why` [unit, reason, source unit or -1] and
+    # `cheap_loss` [unit, loss].
+    for key, rows in (("top", record.get("top", [])), *((k, cause[k]) for k in ("why", "cheap_loss") if k in cause)):
+        if not isinstance(rows, list) or not all(isinstance(row, list) and row for row in rows):
+            raise ValueError(f"{where} has no list {key!r} of [unit, ...] rows (got {str(rows)[:60]})")
+        indices[key] = [row[0] for row in rows]
+        if key == "why":
+            indices["why (source)"] = [row[2] for row in rows if len(row) > 2 and row[2] != -1]
+    for key, values in indices.items():
+        if not isinstance(values, list):
+            raise ValueError(f"{where} has no list {key!r} of unit indices (got {str(values)[:60]})")
+        bad = [i for i in values if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise ValueError(
+                f"{where} has unit index {bad[0]!r} in {key!r}; the header names {n} units, so one is in 0..{n - 1}"
+            )
+
+
+def check_fields(path: str | os.PathLike[str], records: list[dict[str, Any]], fields: Sequence[str]) -> None:
+    """Raise a ValueError naming the first step record of `path` that lacks one of `fields` (what its reader needs)."""
+    for record in records:
+        if record.get("type") == "step":
+            missing = [key for key in fields if key not in record]
+            if missing:
+                raise ValueError(
+                    f"read_trace: {path}: step {record['step']} has no {missing[0]!r}; a gnmr-hf trace's steps have "
+                    f"{', '.join(map(repr, fields))}"
+                )
 
 
 def set_aside(path: str | os.PathLike[str]) -> Path | None:
@@ -229,6 +304,9 @@ class TraceSummary:
     skipped_steps: int = 0
     # The most units that asked for recovery at one step: the `max_active` that would have held them all.
     max_candidates_seen: int = 0
+    # The trace's first step: > 1 where the run resumed from a checkpoint into a folder without the earlier trace, so
+    # that its counts cover the steps from there on only (a live summary restored from the checkpoint covers all).
+    first_step: int = 1
     recovery_steps: np.ndarray = field(default=None)  # type: ignore[assignment]
     risky_steps: np.ndarray = field(default=None)  # type: ignore[assignment]
     left_out_steps: np.ndarray = field(default=None)  # type: ignore[assignment]
@@ -305,6 +383,7 @@ class TraceSummary:
             "max_candidates_seen": self.max_candidates_seen,
             "units_left_out": [{"name": n, "steps": c} for n, c in self.left_out()],
             "skipped_steps": self.skipped_steps,
+            "first_step": self.first_step,
             "top_units": [{"name": n, "recovery_steps": r, "risky_steps": s} for n, r, s in self.top_units(k)],
         }
 
@@ -314,6 +393,7 @@ class TraceSummary:
             "GNMR summary",
             f"  units                          {len(self.unit_names)}",
             f"  optimizer steps                {self.steps}",
+            *self._resumed(),
             f"  unit-steps in recovery         {self.recovery_fraction:.4%}",
             f"  flips per 1,000 steps          {self.flips_per_1k_steps:.1f}",
             f"  most units in recovery at once {self.max_active_seen}",
@@ -338,6 +418,15 @@ class TraceSummary:
         else:
             lines.append("  no unit was risky or in recovery")
         return "\n".join(lines)
+
+    def _resumed(self) -> list[str]:
+        if self.first_step <= 1:
+            return []
+        return [
+            f"  this trace starts at step {self.first_step}, where the run resumed from a checkpoint: it counts steps "
+            f"{self.first_step} on; steps 1-{self.first_step - 1} are in the earlier run's trace, and the run's own "
+            "summary (printed at its end, gnmr_summary.json) counts them all"
+        ]
 
     def state(self) -> dict[str, Any]:
         """JSON-safe totals, saved in checkpoints so a resumed run's summary covers the whole run."""
@@ -378,7 +467,8 @@ class TraceSummary:
     @classmethod
     def from_trace(cls, path: str | os.PathLike[str]) -> tuple[TraceSummary, dict[str, Any], list[dict[str, Any]]]:
         header, records = read_trace(path)
-        summary = cls(unit_names=list(header["units"]))
+        check_fields(path, records, ("active", "entered", "exited", "risky"))
+        summary = cls(unit_names=list(header["units"]), first_step=records[0]["step"] if records else 1)
         for record in records:
             summary.add_record(record)
         return summary, header, [r for r in records if r["type"] == "step"]
@@ -387,6 +477,6 @@ class TraceSummary:
 def iter_scores(steps: list[dict[str, Any]], unit: int) -> Iterator[tuple[int, float]]:
     """(step, risk) of one unit wherever it was among the trace's top-k scores."""
     for record in steps:
-        for i, s in record["top"]:
+        for i, s in record.get("top", ()):
             if i == unit:
                 yield record["step"], float(s)

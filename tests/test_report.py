@@ -75,7 +75,7 @@ def test_resuming_a_trace_drops_the_steps_after_the_checkpoint(tmp_path):
 
 
 def test_report_command_prints_the_summary_and_writes_plots(tmp_path, capsys):
-    path = write_trace(tmp_path / "t.jsonl", STREAM)
+    path = write_trace(tmp_path / "gnmr_trace.jsonl", STREAM)
     assert main(["report", str(path), "--out", str(tmp_path / "plots")]) == 0
     out = capsys.readouterr().out
     assert "unit-steps in recovery         26.6667%" in out
@@ -187,3 +187,46 @@ def test_the_recovery_heatmap_has_a_legend_for_recovery_and_a_y_label(tmp_path, 
     (ax,) = heatmap.axes
     labels = [text.get_text() for text in ax.get_legend().get_texts()]
     assert labels[0] == "in recovery (high-fidelity path)" and ax.get_ylabel() == "unit"
+
+
+def test_report_on_a_run_folder_reads_the_folder_s_trace(tmp_path, capsys):
+    write_trace(tmp_path / "gnmr_trace.jsonl", STREAM)
+    assert main(["report", str(tmp_path), "--no-plots", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] == 5
+
+
+def test_report_on_a_folder_without_a_trace_names_the_traces_it_has(tmp_path, capsys):
+    write_trace(tmp_path / "gnmr_trace.1.jsonl", STREAM)
+    assert main(["report", str(tmp_path), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert f"the folder {tmp_path} has no gnmr_trace.jsonl; pass one of its traces: gnmr_trace.1.jsonl" in err
+
+
+def test_the_plots_are_named_after_the_trace_so_an_earlier_run_s_never_overwrite_the_current_run_s(tmp_path):
+    from gnmr_hf.report import plot_names
+
+    assert plot_names("gnmr_trace.jsonl") == ("gnmr_recovery.png", "gnmr_scores.png")
+    assert plot_names("gnmr_trace.1.jsonl") == ("gnmr_recovery.1.png", "gnmr_scores.1.png")
+    assert plot_names("run.jsonl") == ("run_recovery.png", "run_scores.png")
+    current = tmp_path / "gnmr_recovery.png"
+    current.write_bytes(b"the current run's plot")
+    assert main(["report", str(write_trace(tmp_path / "gnmr_trace.1.jsonl", STREAM))]) == 0
+    assert current.read_bytes() == b"the current run's plot"
+    assert (tmp_path / "gnmr_recovery.1.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_trace_that_starts_at_a_resume_says_so_and_why_its_counts_are_fewer(tmp_path, capsys):
+    # A run resumed from a checkpoint of step 2 into a new folder: its trace starts at step 3.
+    writer = TraceWriter(tmp_path / "gnmr_trace.jsonl", {"units": UNITS, "config": {"max_active": 2}}, resume_step=2)
+    for d in STREAM[2:]:
+        writer.write(d)
+    writer.close()
+    assert main(["report", str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer steps                3\n" in out
+    assert (
+        "this trace starts at step 3, where the run resumed from a checkpoint: it counts steps 3 on; steps 1-2 are"
+        in (out)
+    )
+    assert main(["report", str(write_trace(tmp_path / "whole.jsonl", STREAM)), "--no-plots"]) == 0
+    assert "resumed" not in capsys.readouterr().out
