@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import json
 import logging
+import os
+import re
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .commandline import check_config, fail, one_line_errors, parse_or_fail, quiet_unused_imports
@@ -20,6 +25,8 @@ __all__ = ["main"]
 # The demo's backends (`gnmr_hf.experiments.demo.DEMO_LOADERS` has a model loader for each); here as names so that
 # parsing the demo's flags imports no model code.
 DEMO_BACKENDS = ("bnb_int8", "bnb_4bit")
+# What the demo's models are made with, whichever of them (the `bnb` extra): checked before anything is written.
+DEMO_NEEDS = ("bitsandbytes", "peft")
 
 COMMANDS = {
     "demo": "run the tiny offline GNMR LoRA fine-tune (INT8 <-> BF16; --backend bnb_4bit: NF4 <-> BF16) and print "
@@ -34,14 +41,26 @@ def _report(argv: Sequence[str]) -> int:
     parser = one_line_errors(
         argparse.ArgumentParser(prog="gnmr-hf report", description="Summarize a GNMR trace and plot it.")
     )
-    parser.add_argument("trace", help="A gnmr_trace.jsonl written by GNMRCallback.")
-    parser.add_argument("--out", default=None, help="Folder for the PNG plots (default: next to the trace).")
+    parser.add_argument(
+        "trace", help="A gnmr_trace.jsonl written by GNMRCallback, or a run's folder (its output_dir) holding one."
+    )
+    parser.add_argument(
+        "--out", default=None, help="Folder for the PNG plots, named after the trace (default: next to the trace)."
+    )
     parser.add_argument("--top", type=int, default=8, help="How many units to list and plot.")
     parser.add_argument("--no-plots", action="store_true", help="Print the summary only (no matplotlib).")
     parser.add_argument("--json", action="store_true", help="Print the summary as JSON.")
     args = parser.parse_args(argv)
     if args.top < 1:
         fail(f"--top must be >= 1, got {args.top}")
+    if not args.no_plots:
+        if importlib.util.find_spec("matplotlib") is None:
+            fail("the plots need matplotlib, which is not installed: pip install 'gnmr-hf[plot]', or pass --no-plots")
+        if args.out is not None:
+            # The first existing folder on the way must be a folder: the plots are written into --out, made if needed.
+            existing = next(p for p in (Path(args.out), *Path(args.out).parents) if p.exists())
+            if not existing.is_dir():
+                fail(f"--out must be a folder for the plots (made if missing); {existing} is a file")
     from .report import report
 
     try:
@@ -77,6 +96,11 @@ def _advise(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.min_share <= 1:
         fail(f"--min_share must be in (0, 1], got {args.min_share}")
+    for pattern in args.expect:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            fail(f"--expect takes regexes of unit names (as include/exclude do); {pattern!r} is not one: {err}")
     try:
         advice = advise_module.advise(args.trace, args.min_share)
     except (FileNotFoundError, ValueError, KeyError) as err:
@@ -130,6 +154,12 @@ def _demo_parser() -> Any:
 def _demo(argv: Sequence[str]) -> int:
     gnmr, extra = parse_or_fail(_demo_parser(), argv)
     check_config(gnmr)
+    missing = [name for name in DEMO_NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        fail(
+            f"--backend {gnmr.backend}: the demo trains a bitsandbytes model under peft LoRA, which come with the bnb "
+            f"extra: pip install 'gnmr-hf[bnb]' (not installed: {', '.join(missing)})"
+        )
     if extra.model != "tiny":
         from .experiments.models import check_model
 
@@ -153,6 +183,8 @@ def _demo(argv: Sequence[str]) -> int:
             check_spike_module(extra.spike_module, extra.model)
         except ValueError as err:
             fail(str(err))
+    # The plots need the trace and matplotlib; without either the demo still trains and prints its summary.
+    plots = bool(gnmr.trace_file) and importlib.util.find_spec("matplotlib") is not None
     print(
         f"gnmr-hf demo: {gnmr.backend} LoRA fine-tune of {extra.model}, {extra.max_steps} steps, spike "
         + (
@@ -160,7 +192,9 @@ def _demo(argv: Sequence[str]) -> int:
             if extra.spike_step
             else "off"
         )
-        + f"; output in {extra.output_dir}",
+        + f"; output in {extra.output_dir}"
+        + ("" if gnmr.trace_file else "; no trace (--trace_file ''), so no plots")
+        + ("" if plots or not gnmr.trace_file else "; no plots (matplotlib is not installed: the plot extra)"),
         flush=True,
     )
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -174,10 +208,12 @@ def _demo(argv: Sequence[str]) -> int:
         spike_step=extra.spike_step,
         spike_factor=extra.spike_factor,
         seed=extra.seed,
+        plots=plots,
     )
     # The callback has logged the summary at the end of training; the same report can be rebuilt any time
     # from the trace with `gnmr-hf report TRACE`.
-    print(f"trace: {result['trace']}")
+    if result["trace"] is not None:
+        print(f"trace: {result['trace']}")
     for path in result["plots"]:
         print(f"plot:  {path}")
     return 0
@@ -203,13 +239,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: unknown command {argv[0]!r}{hint}; the commands are {', '.join(COMMANDS)}\n", file=sys.stderr)
         print(_usage(), file=sys.stderr)
         return 2
-    if argv[0] == "advise":
-        return _advise(argv[1:])
-    if argv[0] == "plan":
-        from .cli_plan import main as plan_main
+    try:
+        if argv[0] == "advise":
+            code = _advise(argv[1:])
+        elif argv[0] == "plan":
+            from .cli_plan import main as plan_main
 
-        return plan_main(argv[1:])
-    return _demo(argv[1:]) if argv[0] == "demo" else _report(argv[1:])
+            code = plan_main(argv[1:])
+        else:
+            code = _demo(argv[1:]) if argv[0] == "demo" else _report(argv[1:])
+        sys.stdout.flush()  # here, so that a reader gone away is met inside the try, not at the interpreter's exit
+    except BrokenPipeError:
+        return _reader_gone()
+    return code
+
+
+def _reader_gone() -> int:
+    """stdout's reader went away (`gnmr-hf report TRACE | head -4`): stop quietly, as a Unix tool does, which the
+    SIGPIPE signal ends (the shell reports 128 + its number); Python ignores that signal and raises BrokenPipeError
+    at the next write instead. stdout then points at /dev/null, so that the interpreter's own flush at exit has no
+    closed pipe to complain about."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout that is no file (a test's capture) has nothing to flush at exit
+        pass
+    return 128 + signal.SIGPIPE if hasattr(signal, "SIGPIPE") else 1
 
 
 if __name__ == "__main__":

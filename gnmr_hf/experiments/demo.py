@@ -177,7 +177,8 @@ def run_demo(
     plots: bool = True,
     extra_callbacks: Sequence[TrainerCallback] = (),
 ) -> dict[str, Any]:
-    """Run the demo and return {"trainer", "callback", "summary", "plots", "trace"}. The model is loaded for
+    """Run the demo and return {"trainer", "callback", "summary", "plots", "trace"} (`gnmr.trace_file=''`: no trace,
+    so trace None and no plots). The model is loaded for
     `gnmr.backend` (one of `DEMO_LOADERS`): the tiny LLaMA built here, or with `model` a real one
     (`gnmr_hf.experiments.models.resolve_model`: a name, a .gguf file or a folder), trained on `seq_len`-token blocks
     (batch 2)."""
@@ -219,6 +220,9 @@ def run_demo(
     )
     trainer = Trainer(model=lora, args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()
+    if not gnmr.trace_file:
+        # No trace (trace_file=''), so nothing to plot: the summary is the one the callback kept while training.
+        return {"trainer": trainer, "callback": callback, "summary": callback.summary, "plots": [], "trace": None}
     trace = output_dir / gnmr.trace_file
     summary, plot_paths = report(trace, output_dir, plots=plots)
     return {"trainer": trainer, "callback": callback, "summary": summary, "plots": plot_paths, "trace": trace}
