@@ -311,6 +311,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainingArguments, Fi
     check_config(gnmr_config)
     if finetune_args.arm == "gnmr_cause" and gnmr_config.policy not in ("paper", "cause"):
         fail(f"--policy {gnmr_config.policy}: the gnmr_cause arm runs policy=cause; use --arm gnmr with --policy")
+    if finetune_args.arm in GNMR_ARMS and gnmr_config.backend != "bnb_int8":
+        # Said now, not after the model and the data are loaded, where the backend would refuse the 8-bit layers.
+        fail(
+            f"--backend {gnmr_config.backend}: the {finetune_args.arm} arm trains LoRA on a base loaded in 8-bit "
+            "(bitsandbytes Linear8bitLt), whose units only backend bnb_int8 manages; drop --backend or pass bnb_int8"
+        )
     checkpoint = training_args.resume_from_checkpoint
     # The Trainer reads trainer_state.json from the folder it resumes from, after the model is loaded.
     if checkpoint is not None and not (Path(checkpoint) / "trainer_state.json").is_file():

@@ -136,6 +136,20 @@ def test_resuming_from_a_folder_that_is_not_a_checkpoint_is_one_line_before_any_
     assert not (tmp_path / "out").exists()
 
 
+def test_a_gnmr_arm_with_a_backend_other_than_bnb_int8_is_one_line_before_any_model(tmp_path):
+    # The arm loads its base in 8-bit, which only bnb_int8 manages; act_quant would refuse it after the model and the
+    # data are loaded.
+    command = [sys.executable, str(RECIPE), "--preset", "tiny", "--arm", "gnmr", "--backend", "act_quant"]
+    command += ["--output_dir", str(tmp_path / "out")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(
+        "error: --backend act_quant: the gnmr arm trains LoRA on a base loaded in 8-bit (bitsandbytes Linear8bitLt), "
+        "whose units only backend bnb_int8 manages"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def _tokenized(rows: list[dict], **flags):
     from datasets import Dataset
 
