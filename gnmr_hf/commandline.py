@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import importlib.util
 import logging
 import sys
 from collections.abc import Iterator, Sequence
@@ -36,6 +37,8 @@ _IMPORT_LOGGERS = {
     # logs a publisher-trust warning there whenever the Hub is offline.
     "kernels": "bnb_4bit",
 }
+# What deepspeed logs at import when it finds no GPU (`_import_deepspeed_quietly`).
+_DEEPSPEED_CPU_GUESS = "Setting accelerator to CPU"
 
 
 def fail(message: str) -> NoReturn:
@@ -123,13 +126,39 @@ def quiet_unused_imports(backend: str | None = None) -> Iterator[None]:
     they concern `backend` (torchao's for torchao_float8, the 4-bit kernel's for bnb_4bit; None: a command without
     a backend), so that the command's own output is what the user reads first. A script in recipes/ or benchmarks/
     makes all its imports but the standard library's inside it, at the top, so that its `--help` and its errors
-    come first too."""
+    come first too. Where the block imported transformers, deepspeed is imported at its end, if installed, without the
+    line its import logs on a machine without a GPU (`_import_deepspeed_quietly`)."""
     loggers = [logging.getLogger(name) for name, concerns in _IMPORT_LOGGERS.items() if concerns != backend]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
         yield
+        _import_deepspeed_quietly()
     finally:
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
+
+
+def _not_the_cpu_guess(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_DEEPSPEED_CPU_GUESS)
+
+
+def _import_deepspeed_quietly() -> None:
+    """Import deepspeed now, if installed, without its "Setting accelerator to CPU" line. accelerate imports it the
+    first time it unwraps a model (every Trainer run, every save_pretrained), and that import logs the line on every
+    machine without a GPU, where running on the CPU is what the user asked for; it logs on its own logger, whose level
+    and handler the import itself sets, so no level set beforehand holds. Imported here, with that one line filtered
+    out for the import's duration, the later import is a no-op and says nothing."""
+    if "deepspeed" in sys.modules or "transformers" not in sys.modules:
+        return
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    deepspeed_logger.addFilter(_not_the_cpu_guess)
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:  # a broken install fails again, with its error, where the run needs deepspeed
+        pass
+    finally:
+        deepspeed_logger.removeFilter(_not_the_cpu_guess)

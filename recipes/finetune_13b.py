@@ -359,7 +359,7 @@ def load_model(args: FinetuneArguments, training_args: TrainingArguments) -> tup
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, set_seed
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from gnmr_hf.experiments.models import REAL_MODELS, resolve_model
+    from gnmr_hf.experiments.models import REAL_MODELS, peft_quietly, resolve_model
 
     if args.model_name_or_path in REAL_MODELS or str(args.model_name_or_path).endswith(".gguf"):
         with training_args.main_process_first(desc="converting the real model"):
@@ -390,7 +390,8 @@ def load_model(args: FinetuneArguments, training_args: TrainingArguments) -> tup
         target_modules=ALL_LINEAR if args.lora_target_modules == [ALL_LINEAR] else args.lora_target_modules,
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, lora)
+    with peft_quietly():
+        model = get_peft_model(model, lora)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     if tokenizer.pad_token is None:
         # LLaMA tokenizers have no pad token; padded positions are masked out of attention and labels anyway.

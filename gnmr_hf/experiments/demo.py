@@ -154,12 +154,13 @@ def token_blocks(tokenizer: Any, seq_len: int, count: int) -> list[dict[str, tor
 def _real_lora(model_name: str, backend: str, seed: int) -> tuple[Any, Any]:
     from peft import LoraConfig, get_peft_model
 
-    from .models import load_real_model
+    from .models import load_real_model, peft_quietly
 
     model, tokenizer = load_real_model(model_name, DEMO_PRECISIONS[backend])
     torch.manual_seed(seed)
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    return get_peft_model(model, lora), tokenizer
+    with peft_quietly():
+        return get_peft_model(model, lora), tokenizer
 
 
 def run_demo(

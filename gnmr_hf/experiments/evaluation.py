@@ -284,7 +284,10 @@ def load_model(
     if source.adapter is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, source.adapter)
+        from .models import peft_quietly
+
+        with peft_quietly():
+            model = PeftModel.from_pretrained(model, source.adapter)
     return model.eval(), AutoTokenizer.from_pretrained(source.tokenizer, local_files_only=offline is not None)
 
 

@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ __all__ = [
     "convert_gguf",
     "llm_int8_in_training",
     "load_real_model",
+    "peft_quietly",
     "resolve_model",
 ]
 
@@ -91,6 +93,16 @@ def _quiet_cast_message() -> None:
     log = logging.getLogger("bitsandbytes.autograd._functions")
     if not any(isinstance(f, _FirstCastMessage) for f in log.filters):
         log.addFilter(_FirstCastMessage())
+
+
+@contextlib.contextmanager
+def peft_quietly() -> Iterator[None]:
+    """Around peft wrapping a transformers model (`get_peft_model`, `PeftModel.from_pretrained`): peft reads the
+    model's `is_gradient_checkpointing`, which transformers 5 renamed with a FutureWarning on every read. The warning
+    is for peft's authors, not for the user of a recipe; only it is hidden, only here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 @contextlib.contextmanager

@@ -68,6 +68,8 @@ def _load_lora(path: str | Path, quantization_config, *, r: int, target_modules:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from .models import peft_quietly
+
     model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=quantization_config, device_map="cpu")
     torch.manual_seed(seed)
     lora = LoraConfig(
@@ -77,7 +79,8 @@ def _load_lora(path: str | Path, quantization_config, *, r: int, target_modules:
         target_modules=target_modules or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+    with peft_quietly():
+        return get_peft_model(model, lora)
 
 
 def write_local_text(path: str | Path, lines: int = 256, seed: int = 0) -> Path:
