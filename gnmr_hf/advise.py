@@ -9,21 +9,27 @@ measured on their cheap path, the units whose symptoms it was blamed for). A uni
 budget, `max_active`, was full) but that asked for recovery in at least `--min_share` of the steps from the first time
 on is listed apart with its evidence: left out by the budget (the trace's `left_out`: the policy's candidates it could
 not hold), or its traced loss past its bound (> 1); its cheap path was broken too, and a static rule, which has no
-budget, should keep it off. Both kinds make the carve-out, printed three ways: this package's `exclude` patterns, a
-torchao `module_filter_fn`, and bitsandbytes' `llm_int8_skip_modules`; and, for every unit, the precision it actually
-ran in (the share of steps on each path). Every pattern printed is checked against the trace's unit names, and so is
-every `--expect` pattern (a carve-out the user already has): one that matches no unit is an error (exit status 2), not
-silence, since a filter that silently matches nothing is how a carve-out gets lost (torchtitan PR #4008, accelerate PR
-#4147).
+budget, should keep it off. Both kinds make the carve-out, printed in the forms users paste: this package's `exclude`
+patterns, a torchao `module_filter_fn` (accelerate's `AORecipeKwargs(module_filter_func=...)` takes the same), and
+bitsandbytes' `llm_int8_skip_modules`; and, for every unit, the precision it actually ran in (the share of steps on
+each path). A trace of `policy="impact"` also ranks every unit by its impact (the mean of its traced estimates: what
+its cheap path costs the loss), with the estimated share of the loss the top k buy, the smallest carve-outs that buy
+90% and 99%, and the carve-out at `--budget` (a count of units, or a fraction of them), in the same forms. Every
+pattern printed is checked against the trace's unit names, and so is every `--expect` pattern (a carve-out the user
+already has): one that matches no unit is an error (exit status 2), not silence, since a filter that silently matches
+nothing is how a carve-out gets lost (torchtitan PR #4008, accelerate PR #4147).
 """
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from .planning import ImpactRanking, carve_out_forms
 
 __all__ = ["Advice", "advise", "format_advice"]
 
@@ -62,6 +68,8 @@ class Advice:
     # Broken or left out persistently, not held: the budget was full.
     unheld: list[UnitEvidence] = field(default_factory=list)
     max_active: int | None = None
+    # The units ranked by impact, where the trace has it (policy="impact"): each unit's mean traced estimate.
+    ranking: ImpactRanking | None = None
 
     @property
     def names(self) -> list[str]:
@@ -79,6 +87,7 @@ def advise(path: str, min_share: float = 0.5) -> Advice:
         raise ValueError(f"{path}: the trace has no steps")
     names = list(header["units"])
     units = [UnitEvidence(n) for n in names]
+    impact_sum, impact_count = [0.0] * len(names), [0] * len(names)
     for record in steps:
         step = int(record["step"])
         for i in record["active"]:
@@ -91,6 +100,9 @@ def advise(path: str, min_share: float = 0.5) -> Advice:
             units[i].left_out += 1
             if units[i].first_left_out is None:
                 units[i].first_left_out = step
+        for i, value in (record.get("impact") or {}).get("estimate", ()):
+            impact_sum[i] += float(value)
+            impact_count[i] += 1
         cause = record.get("cause")
         if cause:
             entered = set(record["entered"])
@@ -113,7 +125,13 @@ def advise(path: str, min_share: float = 0.5) -> Advice:
     unheld = [u for u in units if u.name not in held and u.asked_persistently(last, min_share)]
     paths = header.get("paths") or ["low/high"] * len(names)
     max_active = (header.get("config") or {}).get("max_active")
-    return Advice(len(steps), units, persistent, list(paths), str(header.get("backend", "")), unheld, max_active)
+    backend = str(header.get("backend", ""))
+    ranking = None
+    if any(impact_count):
+        mean = [total / count if count else math.nan for total, count in zip(impact_sum, impact_count, strict=True)]
+        source = f"trace: the mean of each unit's estimates over {len(steps)} steps"
+        ranking = ImpactRanking(names, mean, backend, source)
+    return Advice(len(steps), units, persistent, list(paths), backend, unheld, max_active, ranking)
 
 
 def _pattern(name: str) -> str:
@@ -125,8 +143,12 @@ def _unmatched(patterns: Sequence[str], names: Sequence[str]) -> list[str]:
     return [p for p in patterns if not any(re.search(p, n) for n in names)]
 
 
-def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list[str]]:
-    """The printed report and the list of errors (patterns that match no unit)."""
+def format_advice(
+    advice: Advice, expect: Sequence[str] = (), budget: int | float | None = None
+) -> tuple[str, list[str]]:
+    """The printed report and the list of errors (patterns that match no unit). Where the trace has impacts, the
+    report ends with the units ranked by impact and the carve-outs they give (at `budget` too: a count of units, or
+    a fraction of them); without them, a `budget` is an error: nothing ranks the units."""
     all_names = [u.name for u in advice.units]
     lines = [f"GNMR advice: {len(advice.units)} {advice.backend} units, {advice.steps} steps"]
     if not advice.persistent and not advice.unheld:
@@ -160,20 +182,7 @@ def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list
                     f"{statistics.median(u.losses):.3g} over the {len(u.losses)} steps traced"
                 )
             lines.append(f"  {u.name}: {'; '.join(evidence)}; {u.recovered} steps recovered")
-        patterns = [_pattern(n) for n in advice.names]
-        lines += [
-            "",
-            "# gnmr_hf (GNMRConfig / find_units): keep these off the managed cheap path",
-            f"exclude = {patterns!r}",
-            "",
-            "# torchao: convert_to_float8_training(model, config=..., module_filter_fn=module_filter_fn)",
-            "CARVE_OUT = {" + ", ".join(map(repr, advice.names)) + "}",
-            "def module_filter_fn(module, fqn):",
-            "    return fqn not in CARVE_OUT",
-            "",
-            "# bitsandbytes: BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=...)",
-            f"llm_int8_skip_modules = {advice.names!r}",
-        ]
+        lines += ["", *carve_out_forms(advice.names)]
     lines += ["", "precision each unit ran in (cheap path / recovery path, share of steps):"]
     width = max(len(n) for n in all_names)
     for u, paths in zip(advice.units, advice.paths, strict=True):
@@ -185,4 +194,11 @@ def format_advice(advice: Advice, expect: Sequence[str] = ()) -> tuple[str, list
         for what, pats in (("advised", [_pattern(n) for n in advice.names]), ("--expect", list(expect)))
         for p in _unmatched(pats, all_names)
     ]
+    if advice.ranking is not None:
+        lines += ["", advice.ranking.format(budget=budget)]
+    elif budget is not None:
+        errors.append(
+            "--budget: this trace has no impact estimates to rank the units by (a run with policy='impact' writes "
+            "them; monitor_only=True to change nothing), or rank them before training with `gnmr-hf plan`"
+        )
     return "\n".join(lines), errors

@@ -22,10 +22,11 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch only where a plan runs: `gnmr-hf advise` prints a ranking without it
+    import torch
+    from torch import nn
 
 __all__ = ["ImpactRanking", "parse_budget", "plan"]
 
@@ -223,6 +224,8 @@ def plan(
 
 
 def _calibrate(model: nn.Module, units: Any, batches: Iterable[Any], backend: str, impacts: Any) -> ImpactRanking:
+    import torch
+
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("plan: the model has no parameter that requires grad, so no gradient reaches the units")

@@ -5,6 +5,7 @@ the planted unit while the others take turns measuring."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainingArguments
 
 from gnmr_hf import GNMRConfig, GNMRTrainer, find_units, plan
+from gnmr_hf.advise import advise, format_advice
 from gnmr_hf.experiments.faults import inject_fault
 from gnmr_hf.experiments.pretrain import build_model, llama_config
 from gnmr_hf.impact import ImpactMeter, impacts
@@ -225,6 +227,28 @@ def test_a_trainer_run_holds_the_planted_unit_and_the_others_take_turns_measurin
     assert all(r["active"] == [] for r in steps[:turn])
     estimates = {i: v for r in steps for i, v in r["impact"]["estimate"]}
     assert max(estimates, key=estimates.get) == faulty and not math.isnan(estimates[faulty])
+    # `gnmr-hf advise` on the run's trace ranks the units by their traced estimates, and carves out the planted one.
+    advice = advise(str(tmp_path / "gnmr_trace.jsonl"))
+    assert advice.ranking is not None and advice.ranking.ranked[0][0] == FAULTY
+    text, errors = format_advice(advice, budget=1)
+    assert not errors and "carve-out at budget 1: 1 units" in text
+    assert f"exclude = ['^{FAULTY.replace('.', chr(92) * 2 + '.')}$']" in text
+
+
+def test_advise_refuses_a_budget_for_a_trace_without_impacts(tmp_path):
+    names = ["a", "b"]
+    header = {"type": "header", "version": 2, "units": names, "backend": "block_fp", "config": {"max_active": 1}}
+    step = {"type": "step", "step": 1, "t": 1, "active": [0], "entered": [0], "exited": [], "risky": [],
+            "n_scored": 2, "n_candidates": 1, "max_risk": 0.0, "top": [], "alpha": 3.0, "beta": 3.0}  # fmt: skip
+    path = tmp_path / "gnmr_trace.jsonl"
+    path.write_text(json.dumps(header) + "\n" + json.dumps(step) + "\n")
+    advice = advise(str(path))
+    assert advice.ranking is None
+    _, errors = format_advice(advice, budget=1)
+    assert errors == [
+        "--budget: this trace has no impact estimates to rank the units by (a run with policy='impact' writes "
+        "them; monitor_only=True to change nothing), or rank them before training with `gnmr-hf plan`"
+    ]
 
 
 def test_the_paper_policy_measures_nothing():
