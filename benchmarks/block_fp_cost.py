@@ -1,6 +1,7 @@
 """What the `block_fp` emulation costs per training step on a CPU, per format and scaling mode, vs the plain model.
 
     OMP_NUM_THREADS=1 python benchmarks/block_fp_cost.py --steps 10 --out runs/block_fp_cost.json
+    OMP_NUM_THREADS=1 python benchmarks/block_fp_cost.py --steps 10 --only 'e2m1 (fp32|nvfp4)'
 
 The probe-scale LLaMA of the pretraining recipe (d=128, 4 layers, batch 16 x 128 bytes), one forward + backward per
 step, every q/k/v/o/gate/up/down projection a unit. Reported: CPU time of this process per step (median), which
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -37,6 +39,21 @@ SETTINGS = [
     ("bf16", {"low_format": "e4m3", "high_format": "bf16", "recover": True}),
     ("e2m1 mx", {"low_format": "e2m1", "scaling": "mx"}),
     ("e3m2 mx", {"low_format": "e3m2", "scaling": "mx"}),
+    ("e2m1 nvfp4", {"low_format": "e2m1", "high_format": "bf16", "scaling": "nvfp4"}),
+    (
+        "e2m1 nvfp4, 1x16 weights",
+        {"low_format": "e2m1", "high_format": "bf16", "scaling": "nvfp4", "weight_blocks": "1x16"},
+    ),
+    (
+        "e2m1 nvfp4 + wgrad_rht + stochastic_rounding",
+        {
+            "low_format": "e2m1",
+            "high_format": "bf16",
+            "scaling": "nvfp4",
+            "wgrad_rht": True,
+            "stochastic_rounding": True,
+        },
+    ),
 ]
 
 
@@ -62,8 +79,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--only", default="", help="a regex: only the settings whose label it finds (and plain)")
     args = parser.parse_args()
-    rows = [(label, cpu_seconds_per_step(options, args.steps)) for label, options in SETTINGS]
+    settings = [SETTINGS[0], *(s for s in SETTINGS[1:] if re.search(args.only, s[0]))]
+    rows = [(label, cpu_seconds_per_step(options, args.steps)) for label, options in settings]
     plain = rows[0][1]
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}\n")
     print("| GEMM inputs | CPU s/step | vs plain |\n|---|---:|---:|")
