@@ -26,10 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from gnmr_hf.commandline import quiet_unused_imports
 
-from gnmr_hf import find_units
-from gnmr_hf.planning import plan
+with quiet_unused_imports("block_fp"):
+    import torch
+
+    from gnmr_hf import find_units
+    from gnmr_hf.planning import plan
 
 
 def _layer(name: str) -> int:

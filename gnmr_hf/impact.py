@@ -101,15 +101,15 @@ class ImpactMeter:
             self._forced = {s for s in self._forced if s >= step}
         return (step + self.phase) % self.every == 0 or step in self._forced
 
-    def rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The rows of `x` (as [-1, x.shape[-1]]) a measure reads: `max_rows` of them spread over all, moving with
-        the step and the micro-batch (`gnmr_hf.fidelity.spread_rows`), or None: all."""
+    def rows(self, x: torch.Tensor, count: int | None = None) -> torch.Tensor | None:
+        """The rows of `x` (as [-1, x.shape[-1]]) a measure reads: `count` (default `max_rows`) of them spread over
+        all, moving with the step and the micro-batch (`gnmr_hf.fidelity.spread_rows`), or None: all."""
         step = self.step
         if step != self._draw_step:
             self._draw_step, self._draws = step, 0
         self._draws += 1
         n = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
-        return spread_rows(n, self.max_rows, step * 64 + self._draws, x.device)
+        return spread_rows(n, self.max_rows if count is None else count, step * 64 + self._draws, x.device)
 
     def offer(self, output: torch.Tensor, delta: torch.Tensor, index: torch.Tensor | None) -> None:
         """Measure on this output: `delta` ([R, F] float32) is the cheap path's change of the rows `index` of
@@ -128,6 +128,22 @@ class ImpactMeter:
             self._tokens += n_rows
 
         output.register_hook(on_grad)
+
+    def offer_weighted(self, loss: torch.Tensor, weighted: torch.Tensor, n_rows: int, sampled: int) -> None:
+        """Measure where the backend has dL/dY itself (a loss it computes): `weighted` (0-d) is the sum over
+        `sampled` of the output's `n_rows` rows of (dL/dY)^2 delta^2 for a gradient of `loss` of 1; the gradient
+        `loss` gets in the backward (accumulation's or a loss scaler's factor) multiplies dL/dY, so its square
+        multiplies the sum."""
+        if not loss.requires_grad:
+            return
+        part = weighted.detach().float() * (n_rows / max(sampled, 1))
+
+        def on_grad(grad: torch.Tensor) -> None:
+            scaled = part * grad.detach().float().square().reshape(())
+            self._sum = scaled if self._sum is None else self._sum + scaled
+            self._tokens += n_rows
+
+        loss.register_hook(on_grad)
 
     def take(self) -> tuple[torch.Tensor, int] | None:
         """(sum over the step's rows of (dL/dY)^2 delta^2, 0-d float32; the rows it covers), or None: no measure

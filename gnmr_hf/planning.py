@@ -215,8 +215,8 @@ def plan(
     try:
         if not any(u.measures_impact for u in units):
             raise ValueError(
-                f"plan: the {backend} units do not measure their impact; plan ranks units of the backends that do: "
-                "block_fp"
+                f"plan: the {backend} units do not measure their impact; plan ranks the units that do: block_fp's, "
+                "and act_quant's linear and head kinds"
             )
         return _calibrate(model, units, batches, backend, impacts)
     finally:

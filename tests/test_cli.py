@@ -97,7 +97,7 @@ def test_help_and_a_bad_command_are_quick_because_they_import_no_torch():
     start = time.perf_counter()
     done = subprocess.run([*_gnmr_hf(), "--help"], capture_output=True, text=True, timeout=60)
     elapsed = time.perf_counter() - start
-    assert done.returncode == 0 and done.stdout.startswith("usage: gnmr-hf {demo,report,advise}"), done.stderr
+    assert done.returncode == 0 and done.stdout.startswith("usage: gnmr-hf {demo,report,advise,plan}"), done.stderr
     assert elapsed < 2.0, f"gnmr-hf --help took {elapsed:.2f} s"
     start = time.perf_counter()
     done = subprocess.run([*_gnmr_hf(), "advise", "--help"], capture_output=True, text=True, timeout=60)

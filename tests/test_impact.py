@@ -150,7 +150,7 @@ def test_plan_refuses_a_model_that_returns_no_loss_and_a_backend_that_measures_n
     with pytest.raises(ValueError, match="no loss; each batch must hold labels"):
         plan(model, [{"input_ids": batches(1)[0]["input_ids"]}], backend="block_fp", backend_options=OPTIONS)
     with pytest.raises(ValueError, match="act_quant units do not measure their impact"):
-        plan(model, batches(1), backend="act_quant")
+        plan(model, batches(1), backend="act_quant", backend_options={"kinds": "norm"})
 
 
 def _impacts_of(model: nn.Module, micro_batches: list[dict], **checkpointing) -> torch.Tensor:
@@ -272,5 +272,42 @@ def test_a_linear_units_output_change_is_its_cheap_gemm_minus_the_exact_one():
     lin = model[0]
     exact = F.linear(x, lin.weight, lin.bias)
     expected = 0.5 * 5 * (out.detach() - exact).square().sum()  # dL/dY = 1 on every entry
+    assert value.item() == pytest.approx(expected.item(), rel=1e-4)
+    unit.close()
+
+
+def test_an_act_quant_heads_impact_weighs_the_logits_its_backward_recomputes_by_dl_dlogits():
+    # The head saves its input at 3 bits; its backward recomputes the logits from that copy. The impact is
+    # 0.5 * N * sum((dL/dz)^2 (z_rounded - z)^2) over every row, with dL/dz the exact loss's own.
+    model = tiny()
+    (unit,) = find_units(model, "act_quant", backend_options={"kinds": "head", "low_bits": 3})
+    unit.impact.start(0, clock=lambda: 0)
+    (batch,) = batches(1)
+    model.train()
+    model(**batch).loss.backward()
+    (value,) = impacts([unit.impact.take()], torch.device("cpu"))
+    unit.close()
+    out = model(**batch, output_hidden_states=True)
+    h = out.hidden_states[-1].detach()
+    z = out.logits.detach().requires_grad_(True)
+    labels = F.pad(batch["labels"], (0, 1), value=-100)[..., 1:]
+    loss = F.cross_entropy(z.reshape(-1, z.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    (dz,) = torch.autograd.grad(loss, z)
+    rounded = unit.cheap_spec().restore_rows(h, None).reshape(h.shape)
+    zq = F.linear(rounded, model.lm_head.weight.detach())
+    expected = 0.5 * h.shape[0] * h.shape[1] * (dz.square() * (zq - z.detach()).square()).sum()
+    assert value.item() == pytest.approx(expected.item(), rel=1e-3)
+
+
+def test_an_act_quant_linears_impact_is_its_rounded_inputs_output_change():
+    model = nn.Sequential(nn.Linear(8, 6))
+    (unit,) = find_units(model, "act_quant", backend_options={"kinds": "linear", "low_bits": 2})
+    unit.impact.start(0, clock=lambda: 0)
+    x = torch.randn(5, 8)
+    model.train()
+    model(x).sum().backward()
+    (value,) = impacts([unit.impact.take()], torch.device("cpu"))
+    rounded = unit.cheap_spec().restore_rows(x, None)
+    expected = 0.5 * 5 * ((rounded - x) @ model[0].weight.detach().t()).square().sum()
     assert value.item() == pytest.approx(expected.item(), rel=1e-4)
     unit.close()

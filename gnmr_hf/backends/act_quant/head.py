@@ -112,6 +112,7 @@ class ActQuantHeadUnit(_SwitchedSaves):
     Signal: its weight's gradient (`signal=`)."""
 
     kind = "head"
+    measures_impact = True
     fidelity_bound = (
         "saved input at low_bits: max(relative L2 error / 2, row-sum bias / 0.1, total-variation shift of the softmax "
         "recomputed from it / 0.1)"
@@ -177,9 +178,45 @@ class ActQuantHeadUnit(_SwitchedSaves):
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         targets = shift_labels.reshape(-1).to(logits.device)
         m = self.module
-        return ChunkedHeadLoss.apply(
+        loss = ChunkedHeadLoss.apply(
             logits.detach(), h, m.weight, m.bias, targets, ignore_index, num_items_in_batch, spec, self._cache
         )
+        if self.impact.due:
+            self._offer_impact(loss, logits, h, targets, ignore_index, num_items_in_batch)
+        return loss
+
+    @torch.no_grad()
+    def _offer_impact(
+        self,
+        loss: torch.Tensor,
+        logits: torch.Tensor,
+        h: torch.Tensor,
+        targets: torch.Tensor,
+        ignore_index: int,
+        denom: torch.Tensor | float | None,
+    ) -> None:
+        """The output change the backward acts on: it recomputes the logits from the rounded input, so the change
+        is the logits' (`gnmr_hf.impact`), weighted by dL/dlogits = (softmax - one-hot) / denom, which the loss has
+        here (the logits the model returns carry no gradient: the chunked loss starts from `h`). Rows as the
+        fidelity measure reads them: each costs a row of the head's GEMM over the whole vocabulary."""
+        z2 = logits.detach().reshape(-1, logits.shape[-1])
+        wanted = self.impact.max_rows
+        index = self.impact.rows(z2, min(wanted, SOFTMAX_ROWS) if wanted else 0)
+        z = take_rows(z2, index).float()
+        m = self.module
+        rounded = self.cheap_spec().restore_rows(h, index, self._cache).float()
+        zq = F.linear(rounded, m.weight.detach().float(), None if m.bias is None else m.bias.detach().float())
+        picked = targets if index is None else targets.index_select(0, index)
+        valid = picked != ignore_index
+        grad = torch.softmax(z, dim=-1)
+        grad[torch.arange(len(grad), device=grad.device), torch.where(valid, picked, 0)] -= 1.0
+        if denom is None:
+            denom = (targets != ignore_index).sum().clamp_min(1)
+        if isinstance(denom, torch.Tensor):
+            denom = denom.to(grad.device).float()
+        grad = grad * valid[:, None] / denom
+        weighted = (grad.square() * (zq - z).square()).sum()
+        self.impact.offer_weighted(loss, weighted, n_rows=z2.shape[0], sampled=len(z))
 
     def _close(self) -> None:
         super()._close()

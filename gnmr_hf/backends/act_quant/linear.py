@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...fidelity import take_rows
 from .base import _operand_parts, _SwitchedSaves
 from .saving import SaveCache, SaveSpec
 
@@ -56,6 +57,7 @@ class ActQuantLinearUnit(_SwitchedSaves):
     """One `nn.Linear` whose saved input is kept at `low_bits` on the cheap path and `high_bits` in recovery."""
 
     kind = "linear"
+    measures_impact = True
     fidelity_bound = "saved input at low_bits: relative L2 error / 2"
 
     def saving_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,9 +66,20 @@ class ActQuantLinearUnit(_SwitchedSaves):
         if training:
             self.count_recovery_bytes(x)
         out = QuantSavedLinear.apply(x, m.weight, m.bias, self.current_spec(), self._cache)
+        if training and self.impact.due:
+            self._offer_impact(x, out)
         if training and self.meter.due:
             # After the save: on the cheap path the cache holds the copy saved, whose scale the measure reuses. The
             # relative error only: the copy feeds only the weight-gradient GEMM, which sums over tokens, not along
             # the rows the bias is taken over (docs/method.md, "Fidelity").
             self.meter.report(*_operand_parts(self, self.cheap_spec(), self._cache, (x,), bias=False))
         return out
+
+    @torch.no_grad()
+    def _offer_impact(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """The output change the backward acts on: its weight gradient is the exact one of a forward through the
+        rounded input, so the change is (x_rounded - x) W^T on the impact meter's rows (`gnmr_hf.impact`)."""
+        index = self.impact.rows(x)
+        exact = take_rows(x.detach(), index).float()
+        rounded = self.cheap_spec().restore_rows(x, index, self._cache).float()
+        self.impact.offer(out, (rounded - exact) @ self.module.weight.detach().float().t(), index)
