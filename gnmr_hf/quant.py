@@ -523,8 +523,9 @@ def _nvfp4_scales(amax: torch.Tensor, f: FloatFormat) -> tuple[torch.Tensor, tor
 
     Where torchao's arithmetic makes a finite input NaN, it is changed (docs/quant.md): t comes from the finite
     blocks only (torchao: one NaN or inf anywhere makes every block NaN); an all-zero tensor gets t = 1 (torchao:
-    0 / 0); a reciprocal that overflows, in a tensor whose amax is below about 2**-113, becomes 0 (torchao: inf,
-    so NaN from each 0 and +-max from the rest), which rounds those blocks' elements (all below 2**-113) to 0.
+    0 / 0); a reciprocal that overflows, possible only in a tensor whose amax is below 2688 * 2**-122 (about
+    2**-110.6), becomes 0 (torchao: inf, so NaN from each 0 and +-max from the rest), which rounds those blocks'
+    elements (all below that amax) to 0.
     """
     finite = torch.isfinite(amax)
     tensor_amax = torch.where(finite, amax, 0.0).amax() if amax.numel() else amax.new_zeros(())

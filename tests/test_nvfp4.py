@@ -102,20 +102,24 @@ def test_an_all_zero_tensor_stays_zero_where_torchao_gives_nan():
     assert torch.isnan(torchao_nvfp4(x)).all()  # its per-tensor scale is 0, so its block scales are 0 / 0
 
 
-@pytest.mark.parametrize("exponent", [-100, -108, -111, -113, -117, -125, -135, -149])
+@pytest.mark.parametrize("exponent", [-100, -110, -111, -113, -117, -125, -135, -149])
 def test_a_tensor_below_two_to_the_minus_110_differs_only_by_rounding_to_zero(exponent):
-    """torchao's reciprocal (1 / t) / e overflows to inf for a tensor whose amax is below about 2**-110 (each block
-    element then becomes +-6 times its scale, a zero NaN); here such a block rounds to zero, an error of at most |x|.
-    Above that, the two agree bit for bit."""
+    """torchao's reciprocal (1 / t) / e, with t = amax / 2688 and e >= 2**-6, overflows to inf only when amax is below
+    2688 * 2**-122 (about 2**-110.6): each element of such a block then becomes +-6 times its scale (a zero NaN), and
+    from amax 2**-117 on 1 / t itself overflows. Here such a block rounds to zero, an error of at most |x|. At amax
+    2**-110 and above the two agree bit for bit."""
     g = torch.Generator().manual_seed(-exponent)
-    x = torch.randn(8, 64, generator=g) * 2.0**exponent * torch.exp2(-torch.arange(4.0).repeat_interleave(16) * 3)
+    x = torch.randn(8, 64, generator=g) * torch.exp2(-torch.arange(4.0).repeat_interleave(16) * 3)
+    x = x / x.abs().max() * 2.0**exponent  # amax exactly 2**exponent
     y, reference = ours(x), torchao_nvfp4(x)
     differ = (y != reference) & ~(torch.isnan(y) & torch.isnan(reference))
     assert torch.isfinite(y).all()
     assert (y[differ] == 0).all()
     assert (x[differ].abs() < 2.0**-110).all()
-    if exponent >= -108:
+    if exponent >= -110:
         assert not differ.any()
+    if exponent <= -117:
+        assert differ.any()
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
