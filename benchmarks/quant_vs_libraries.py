@@ -19,9 +19,12 @@ import functools
 import time
 from collections.abc import Callable
 
-import torch
+from gnmr_hf.commandline import quiet_unused_imports
 
-from gnmr_hf.quant import quantize_blocks, round_to_format
+with quiet_unused_imports("torchao_float8"):
+    import torch
+
+    from gnmr_hf.quant import quantize_blocks, round_to_format
 
 
 def cpu_ms(fn: Callable[[], torch.Tensor], repeats: int) -> tuple[float, torch.Tensor]:
