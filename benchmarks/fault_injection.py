@@ -25,6 +25,8 @@ Arms: `clean` (static low-cost, no fault: what the faults cost), `static_low` (f
 (faults, GNMR), `global_z` (faults, a ZClip-style z-score of the total gradient norm, recovering the `max_active`
 units with the largest norms for `lock_steps` steps when it fires: GNMR's budget), `gnmr_cause` (faults, the cause
 policy: a fault shows in the faulty unit's fidelity, measured in recovery too, so it is held while the fault lasts),
+`gnmr_impact` (faults, the impact policy: a fault shows in the faulty unit's impact at its next measure, its turn or
+the step after a symptom in its family; `--impact_options every=1` measures every unit every step),
 and the stabilizers (`zclip`, `spam`, `stable_spam`, `adagc`, `skip_step`, `gnmr_cause_zclip`, every unit on the
 cheap path but in the last; `gnmr_hf.experiments.stabilizers`; `--stabilizer_options` for a tuned setting), which
 act on the update in the step itself: for them the table also says at how many faults' first step they acted
@@ -56,7 +58,7 @@ with quiet_unused_imports("block_fp"):
     from gnmr_hf.experiments.stabilizers import STABILIZER_ARMS
     from gnmr_hf.trace import read_trace
 
-ARMS = ("clean", "static_low", "gnmr", "global_z", "gnmr_cause", *STABILIZER_ARMS)
+ARMS = ("clean", "static_low", "gnmr", "global_z", "gnmr_cause", "gnmr_impact", *STABILIZER_ARMS)
 
 
 class FaultInjector(TrainerCallback):

@@ -485,6 +485,7 @@ def benchmark_parser(description: str, arms: Sequence[str]) -> argparse.Argument
     parser.add_argument("--preset", default="probe", choices=sorted(PRESETS))
     parser.add_argument("--max_steps", type=int, default=None)
     parser.add_argument("--learning_rate", type=float, default=None)
+    parser.add_argument("--impact_options", default="", help="The gnmr_impact arm's policy options, 'k=v,k=v'.")
     return parser
 
 
@@ -494,7 +495,7 @@ def benchmark_arguments(cli: argparse.Namespace) -> tuple[TrainingArguments, Pre
     given = {k: getattr(cli, k) for k in ("max_steps", "learning_rate") if getattr(cli, k) is not None}
     base = TrainingArguments(output_dir=cli.output_dir, **given)
     args = training_arguments(base, cli.preset, {"output_dir", *given})
-    return args, PretrainArguments(preset=cli.preset, arms=["static_low"])
+    return args, PretrainArguments(preset=cli.preset, arms=["static_low"], impact_options=cli.impact_options)
 
 
 # -------------------------------------------------------------------------------------------- measurement
