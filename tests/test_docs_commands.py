@@ -1,7 +1,8 @@
 """Every command the documents show runs here, as written, so that a stale document fails CI.
 
-Sources: the ```bash blocks and the backticked commands of README.md and docs/*.md, the commands in the module
-docstrings of recipes/ and benchmarks/, and the scripts those commands call (run_tiny_pipeline.sh, gpu_check.sh).
+Sources: the ```bash blocks and the backticked commands of README.md, docs/*.md and the lab notebook docs/lab/*.md,
+the commands in the module docstrings of recipes/ and benchmarks/, and the scripts those commands call
+(run_tiny_pipeline.sh, gpu_check.sh).
 
 bash itself reads each block (loops, variables, `set --`, continuations, heredocs), with `python`, `accelerate`,
 `gnmr-hf`, `pip`, `bash`, `timeout` and `cat` replaced by shell functions that record their arguments. Each recorded
@@ -93,10 +94,12 @@ def _docstring_commands(path: Path) -> list[str]:
 def _sources() -> list[tuple[str, str]]:
     """(id, bash text) for every block and every loose command."""
     found = []
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "lab").glob("*.md"))]
+    for doc in docs:
         text = doc.read_text()
-        found += [(f"{doc.name}:block{i}", block) for i, block in enumerate(_fenced_blocks(text))]
-        found += [(f"{doc.name}:inline{i}", cmd) for i, cmd in enumerate(_inline_commands(text))]
+        name = doc.relative_to(ROOT / "docs").as_posix() if doc.parent != ROOT else doc.name  # lab/x.md, results.md
+        found += [(f"{name}:block{i}", block) for i, block in enumerate(_fenced_blocks(text))]
+        found += [(f"{name}:inline{i}", cmd) for i, cmd in enumerate(_inline_commands(text))]
     for script in sorted([*(ROOT / "recipes").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
         commands = _docstring_commands(script)
         if commands:
