@@ -111,6 +111,9 @@ class Decision:
                 after warm-up about units that never get a gradient.
             flag: a bool scalar tensor of the caller's to bring along in the same transfer (`HostDecision.flag`),
                 e.g. whether the fp16 loss scaler skipped this step.
+
+        Raises:
+            RuntimeError: the policy is `capped` and put more than `max_active` units in recovery.
         """
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"Decision.to_host: top_k must be an int >= 0, got {top_k!r}")
@@ -142,6 +145,15 @@ class Decision:
         active, entered, exited, risky, left_out, *no_history = (
             np.flatnonzero(m) for m in packed[head.numel() * 8 :].reshape(len(rows), n)
         )
+        policy = self.policy
+        if policy.capped and len(active) > policy.config.max_active:
+            # The hard cap holds whatever the policy: checked on the host copy this transfer brings anyway (no sync
+            # of its own), before the caller flips any unit.
+            raise RuntimeError(
+                f"policy {policy.name!r} put {len(active)} units in recovery at step {self.step}, more than "
+                f"max_active={policy.config.max_active}: a policy's Choice.active must stay within max_active (spend "
+                "it with gnmr_hf.policy.within_budget), or the policy must declare capped = False"
+            )
         top_risks = head_h[3 : 3 + k]
         keep = top_risks >= 0  # fewer than k units are scored
         return HostDecision(

@@ -109,13 +109,17 @@ class Policy(ABC):
     `load_state_dict`, and undoes its last step in `revert` (the fp16 loss scaler skipped that step).
 
     Class attributes: `measures` (the units measure what their cheap path loses for it: the callback starts their
-    meters), `resumes` (False: a run with it does not resume from a checkpoint; the callback refuses).
+    meters), `resumes` (False: a run with it does not resume from a checkpoint; the callback refuses), `capped`
+    (True: `Choice.active` never holds more than `max_active` units, and a step whose set does is an error naming the
+    policy, raised where the decision reaches the host (`Decision.to_host`), before any unit flips; False: the set is
+    the policy's own by design, as the harness's static-high and carve-out baselines).
     """
 
     name: ClassVar[str] = ""
     options: ClassVar[type[PolicyOptions]] = PolicyOptions
     measures: ClassVar[bool] = False
     resumes: ClassVar[bool] = True
+    capped: ClassVar[bool] = True
 
     def __init__(self, config: GNMRConfig, options: PolicyOptions | None = None) -> None:
         self.config = config

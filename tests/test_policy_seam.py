@@ -91,6 +91,47 @@ def test_a_controller_state_saved_before_the_policy_seam_loads_and_continues_wit
     assert any(saved["after"])
 
 
+class Greedy(Policy):
+    """Every risky unit, whatever the budget: the mistake the controller must catch."""
+
+    name = "greedy"
+
+    def step(self, scores: Scores) -> Choice:
+        self.active = scores.risky.clone()
+        return Choice(self.active, scores.risky)
+
+
+def _greedy_decision(policy: type[Policy]):
+    """The decision of step 2 of `policy` over 4 units with max_active=2, where 3 units spike."""
+    register_policy(policy)
+    controller = GNMRController(GNMRConfig(policy=policy.name, max_active=2, min_history=1, window=1), 4)
+    controller.observe(torch.ones(4, dtype=torch.float64)).to_host()
+    return controller.observe(torch.tensor([10.0, 10.0, 10.0, 1.0], dtype=torch.float64))
+
+
+def test_a_policy_that_puts_more_than_max_active_units_in_recovery_fails_naming_it_the_count_and_max_active():
+    decision = _greedy_decision(Greedy)
+    message = r"^policy 'greedy' put 3 units in recovery at step 2, more than max_active=2: .* capped = False$"
+    with pytest.raises(RuntimeError, match=message):
+        decision.to_host()
+
+
+def test_a_policy_declared_uncapped_may_hold_more_than_max_active():
+    class Carve(Greedy):
+        name = "greedy_carve"
+        capped = False
+
+    assert list(_greedy_decision(Carve).to_host().active) == [0, 1, 2]
+
+
+def test_the_built_in_policies_are_capped_and_only_the_baselines_that_hold_a_set_are_not():
+    import gnmr_hf.experiments.baselines  # noqa: F401  (registers the baselines)
+
+    uncapped = {name for name in known_policies() if not get_policy(name).capped}
+    assert {"paper", "cause", "impact", "random", "global_z", "static_low"} <= set(known_policies()) - uncapped
+    assert {"static_high", "carve_out", "carve_named", "carve_first_last"} <= uncapped
+
+
 def test_the_summary_names_the_units_the_budget_left_out_and_the_max_active_that_would_hold_them():
     summary = TraceSummary(unit_names=["a", "b", "c", "d"])
     for step in range(1, 11):

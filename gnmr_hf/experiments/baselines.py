@@ -5,7 +5,9 @@ A baseline differs from GNMR in one thing only: *which* units run on the recover
 `GNMRConfig(policy="random", policy_options={"mean_active": 1.5})`; GNMR's scores are still computed and traced
 every step. Static low/high, a set of units by name (a carve-out), by regex, the first/last layers, a random set at
 GNMR's budget, and a ZClip-style global z-score detector. They keep no checkpointed state, so a run with one does
-not resume (the callback refuses); a comparison runs each arm once.
+not resume (the callback refuses); a comparison runs each arm once. Static high and the carve-outs (by name, regex or
+first/last layers) hold their set whatever `max_active` is (`capped = False`); the random set and the z-score
+detector stay within it, as GNMR does.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class StaticHighPolicy(StaticLowPolicy):
 
     name = "static_high"
     high = True
+    capped = False
 
 
 @dataclass
@@ -78,6 +81,7 @@ class FixedSetPolicy(_Baseline):
 
     name = "carve_out"
     options = FixedSetOptions
+    capped = False  # a carve-out holds what it names, at the average budget of the arm it is compared with
 
     def pick(self, names: Sequence[str]) -> list[str]:
         """The unit names to keep on the recovery path, from all of them."""
