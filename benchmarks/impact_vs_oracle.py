@@ -4,8 +4,10 @@
         --backend_options low_format=e2m1,high_format=bf16 --out runs/impact_oracle/fp4.json
 
 The estimate is ranked on `--rank_batches` held-out batches (one forward and backward each, `gnmr_hf.plan`) and
-judged on `--judge_batches` other held-out batches, forward only: the oracle's value of unit i is the loss the judge
-batches lose when unit i alone runs on the recovery path (every other unit cheap), one forward pass per unit. Then,
+judged on `--judge_batches` other held-out batches, forward only. The oracle's value of unit i is the loss that
+batches lose when unit i alone runs on the recovery path (every other unit cheap), one forward pass per unit, on the
+rank batches (`--oracle_on rank`, the default: both rankings are chosen on one set of batches and judged on another)
+or on the judge batches themselves (`--oracle_on judge`: an in-sample oracle, an upper bound on any ranking). Then,
 for k = 1 unit, 5% and 15% of the units: the gap closed on the judge batches, (L_low - L_set) / (L_low - L_high),
 when the top-k units by the estimate run high, against the top-k by the oracle, the last layers, the first and last
 layers, and random sets of k (mean of `--random_draws`). The goal of the impact policy's issue: the estimate's top-k
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--random_draws", type=int, default=3)
+    parser.add_argument("--oracle_on", choices=("rank", "judge"), default="rank", help="Batches the oracle ranks on.")
     parser.add_argument("--out", default=None, help="Write the result as JSON here.")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -102,16 +105,21 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
 
     @torch.no_grad()
-    def judge_loss(high: set[str]) -> float:
+    def loss_on(batches: list[dict], high: set[str]) -> float:
         for unit in units:
             (unit.enter_recovery if unit.name in high else unit.exit_recovery)()
-        return sum(float(model(**b).loss) for b in judge) / len(judge)
+        return sum(float(model(**b).loss) for b in batches) / len(batches)
+
+    def judge_loss(high: set[str]) -> float:
+        return loss_on(judge, high)
 
     start = time.perf_counter()
     low, high = judge_loss(set()), judge_loss(set(names))
+    oracle_batches = rank if args.oracle_on == "rank" else judge
+    oracle_low = loss_on(oracle_batches, set())
     oracle = {}
     for i, name in enumerate(names):
-        oracle[name] = low - judge_loss({name})
+        oracle[name] = oracle_low - loss_on(oracle_batches, {name})
         if i % 20 == 0:
             print(f"oracle {i}/{len(names)}: {name} {oracle[name]:.5f}", flush=True)
     oracle_seconds = time.perf_counter() - start
@@ -141,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "backend": args.backend,
         "backend_options": args.backend_options,
+        "oracle_on": args.oracle_on,
         "units": n,
         "loss_low": low,
         "loss_high": high,
