@@ -180,10 +180,9 @@ class GNMRCallback(TrainerCallback, ExportableState):
             raise ValueError(f"GNMRCallback: policy {policy.name!r} does not resume; start the run anew")
         if policy.measures:
             # The policy reads what each unit's cheap path loses: the units measure it from now on.
+            rows, every = policy.fidelity_schedule()
             for unit in self.units:
-                unit.meter.start(
-                    cfg.cause_fidelity_rows, clock=lambda: state.global_step, recovery_every=cfg.recovery_every
-                )
+                unit.meter.start(rows, clock=lambda: state.global_step, recovery_every=every)
         schedule = policy.impact_schedule()
         if schedule is not None:
             self._start_impact(schedule, state)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import PurePath
 from typing import Any
@@ -21,6 +22,13 @@ from .options import parse_options_text
 __all__ = ["GNMRConfig"]
 
 _SCHEDULES = ("constant", "linear", "cosine")
+# The deprecated fields of the cause policy's options, and each one's option (`gnmr_hf.policies.cause.CauseOptions`).
+_CAUSE_FIELDS = {
+    "cause_suspect": "suspect",
+    "cause_peer_factor": "peer_factor",
+    "cause_fidelity_rows": "fidelity_rows",
+    "cause_recovery_every": "recovery_every",
+}
 
 
 @dataclass
@@ -95,39 +103,35 @@ class GNMRConfig:
         default=None,
         metadata={
             "help": "The policy's own options, as a JSON object or 'key=value,key=value' text (a dict in Python), "
-            "e.g. 'min_impact=0.002,every=4' for policy='impact'; the paper's and the cause policy take none "
-            "(theirs are the fields here). Validated by the policy."
+            "e.g. 'suspect=0.5,fidelity_rows=256' for policy='cause' (gnmr_hf.policies.cause.CauseOptions) or "
+            "'min_impact=0.002,every=4' for policy='impact'; the paper's policy takes none (its knobs are the fields "
+            "here). Validated by the policy."
         },
     )
+    # The cause policy's options were these fields until they became its own (`CauseOptions`): each still works for a
+    # release, moved into `policy_options` under policy='cause' (below, `_move_cause_fields`).
     cause_suspect: float = field(
         default=0.5,
         metadata={
-            "help": "policy='cause': a unit's loss (1 = the backend's bound) above which it can be blamed for a "
-            "symptom in its family and is held in recovery; above 1 it is recovered without a symptom. In (0, 1]."
+            "help": "Deprecated (removed in a later minor version): policy_options 'suspect' of policy='cause'."
         },
     )
     cause_peer_factor: float = field(
         default=4.0,
         metadata={
-            "help": "policy='cause': a unit whose loss is this many times the median of its peers (the same "
-            "unit in other layers; all units for a unit without peers) and above cause_suspect is broken. > 1."
+            "help": "Deprecated (removed in a later minor version): policy_options 'peer_factor' of policy='cause'."
         },
     )
     cause_fidelity_rows: int = field(
         default=256,
         metadata={
-            "help": "policy='cause': rows of each tensor a fidelity measure reads, spread over the tensor and moving "
-            "each step (0: every row). Bounds what measuring costs, whatever the batch (docs/method.md)."
+            "help": "Deprecated (removed in a later minor version): policy_options 'fidelity_rows' of policy='cause'."
         },
     )
     cause_recovery_every: int | None = field(
         default=None,
         metadata={
-            "help": "policy='cause': a unit in recovery measures what its cheap path would lose every this many "
-            "optimizer steps (its last measure stands between); units on the cheap path measure every step (a "
-            "block_fp weight, which only the optimizer moves, on these steps only). In "
-            "1..lock_steps, so that a unit still lossy is renewed before its lock runs out; None (default): half of "
-            "lock_steps, rounded up (docs/method.md)."
+            "help": "Deprecated (removed in a later minor version): policy_options 'recovery_every' of policy='cause'."
         },
     )
     # Integration knobs: the controller ignores these, the callback reads them.
@@ -189,14 +193,15 @@ class GNMRConfig:
         self._check_int("cause_fidelity_rows", 0)
         if self.cause_recovery_every is not None:
             self._check_int("cause_recovery_every", 1)
-        if self.recovery_every > self.lock_steps:
-            raise ValueError(
-                f"GNMRConfig.cause_recovery_every must be <= lock_steps={self.lock_steps} (a unit still lossy must be "
-                f"measured again before its lock runs out), got {self.recovery_every}"
-            )
+            if self.cause_recovery_every > self.lock_steps:
+                raise ValueError(
+                    f"GNMRConfig.cause_recovery_every must be <= lock_steps={self.lock_steps} (a unit still lossy "
+                    f"must be measured again before its lock runs out), got {self.cause_recovery_every}"
+                )
         self._check_threshold("cause_peer_factor")
         if self.cause_peer_factor <= 1:
             raise ValueError(f"GNMRConfig.cause_peer_factor must be > 1, got {self.cause_peer_factor}")
+        self._move_cause_fields()
         if not isinstance(self.backend, str) or not self.backend:
             raise TypeError(f"GNMRConfig.backend must be a backend's name (a non-empty str), got {self.backend!r}")
         self._check_backend_options()
@@ -245,6 +250,32 @@ class GNMRConfig:
                 except re.error as err:
                     raise ValueError(f"GNMRConfig.{name} has an invalid regex {pattern!r}: {err}") from None
 
+    def _move_cause_fields(self) -> None:
+        """The deprecated `cause_*` fields: each one set (to other than its default) warns, and under policy='cause'
+        moves into `policy_options` under its option's name, the field back to its default, so that the config has one
+        value and `to_dict()` (a checkpoint's, a trace header's) writes the options form. Under another policy the
+        field never had an effect and is left as it is."""
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, option in _CAUSE_FIELDS.items():
+            value = getattr(self, name)
+            if value == defaults[name]:
+                continue
+            warnings.warn(
+                f"GNMRConfig.{name} is deprecated and will be removed in a later minor version; give the cause "
+                f"policy's option instead: policy_options={{{option!r}: {value!r}}}",
+                DeprecationWarning,
+                stacklevel=4,  # the caller of GNMRConfig(...): past this method, __post_init__ and __init__
+            )
+            if option in self.policy_options:
+                raise ValueError(
+                    f"GNMRConfig.{name}={value!r} and policy_options {option!r}={self.policy_options[option]!r} set "
+                    f"the same option of the cause policy; give it once, as policy_options {option!r} ({name} is "
+                    "deprecated)"
+                )
+            if self.policy == "cause":
+                self.policy_options[option] = value
+                setattr(self, name, defaults[name])
+
     def _check_int(self, name: str, minimum: int) -> None:
         # numbers.Integral admits numpy integers (a value read from an array or a sweep), not bools.
         value = getattr(self, name)
@@ -275,8 +306,19 @@ class GNMRConfig:
 
     @property
     def recovery_every(self) -> int:
-        """`cause_recovery_every`, or its default: half of `lock_steps`, rounded up."""
-        return self.cause_recovery_every if self.cause_recovery_every is not None else -(-self.lock_steps // 2)
+        """Deprecated (removed in a later minor version): how often a unit in recovery measures, as the policy resolves
+        it (`CausePolicy.recovery_every`, `Policy.fidelity_schedule()`)."""
+        warnings.warn(
+            "GNMRConfig.recovery_every is deprecated and will be removed in a later minor version; the cause policy's "
+            "option resolved is gnmr_hf.policy.make_policy(config).fidelity_schedule()[1]",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if self.policy != "cause" and self.cause_recovery_every is not None:
+            return self.cause_recovery_every
+        from .policy import make_policy  # torch, only on this deprecated path: the config stays a leaf
+
+        return make_policy(self).fidelity_schedule()[1]
 
     def thresholds(self, step: int) -> tuple[float, float]:
         """(alpha_t, beta_t) at optimizer step `step` (1-based). Computed on the host: no device sync."""

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .config import GNMRConfig
 
 __all__ = [
+    "FIDELITY_ROWS",
     "NEVER",
     "Choice",
     "Policy",
@@ -40,6 +41,7 @@ __all__ = [
     "RelapseLock",
     "Scores",
     "get_policy",
+    "half_lock",
     "known_policies",
     "load_tensor",
     "make_policy",
@@ -50,6 +52,10 @@ __all__ = [
 
 # `exited_at` of a unit that never left recovery (and `held_at` of one never measured): no step is near it.
 NEVER = -(2**62)
+# Rows of each tensor a fidelity measure reads unless the policy says otherwise (`Policy.fidelity_schedule`; the cause
+# policy's `fidelity_rows`): a fixed sample, so that measuring costs the same whatever the batch (docs/method.md, "A
+# sample of rows").
+FIDELITY_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -109,10 +115,10 @@ class Policy(ABC):
     `load_state_dict`, and undoes its last step in `revert` (the fp16 loss scaler skipped that step).
 
     Class attributes: `measures` (the units measure what their cheap path loses for it: the callback starts their
-    meters), `resumes` (False: a run with it does not resume from a checkpoint; the callback refuses), `capped`
-    (True: `Choice.active` never holds more than `max_active` units, and a step whose set does is an error naming the
-    policy, raised where the decision reaches the host (`Decision.to_host`), before any unit flips; False: the set is
-    the policy's own by design, as the harness's static-high and carve-out baselines).
+    meters, as `fidelity_schedule` says), `resumes` (False: a run with it does not resume from a checkpoint; the
+    callback refuses), `capped` (True: `Choice.active` never holds more than `max_active` units, and a step whose set
+    does is an error naming the policy, raised where the decision reaches the host (`Decision.to_host`), before any
+    unit flips; False: the set is the policy's own by design, as the harness's static-high and carve-out baselines).
     """
 
     name: ClassVar[str] = ""
@@ -157,6 +163,13 @@ class Policy(ABC):
         """JSON-safe facts for the trace header (e.g. the cause policy's families); by default none."""
         return {}
 
+    def fidelity_schedule(self) -> tuple[int, int]:
+        """(rows, recovery_every) for the units' fidelity meters when the policy `measures`: a measure reads `rows`
+        rows of each tensor (0: every row), and a unit in recovery measures on one optimizer step in
+        `recovery_every`. By default `FIDELITY_ROWS` and half of `lock_steps`, rounded up (the cause policy's
+        defaults; it reads its options)."""
+        return FIDELITY_ROWS, half_lock(self.config.lock_steps)
+
     def impact_schedule(self) -> tuple[int, int] | None:
         """(rows, every) when the policy reads each unit's impact (`Scores.impact`): the units' impact meters
         measure `rows` rows of their output on one optimizer step in `every`, taking turns (`gnmr_hf.impact`);
@@ -170,6 +183,12 @@ class Policy(ABC):
     def host_extras(self, parts: np.ndarray, active: np.ndarray, k: int) -> dict[str, Any]:
         """The trace's extra fields (JSON-safe) from the host copy of `host_parts`, concatenated."""
         return {}
+
+
+def half_lock(lock_steps: int) -> int:
+    """Half of `lock_steps`, rounded up: how often a unit in recovery measures by default, so that a unit still lossy
+    is measured again, and renewed, before its lock runs out."""
+    return -(-lock_steps // 2)
 
 
 def load_tensor(state: Mapping[str, Any], name: str, like: torch.Tensor) -> torch.Tensor:

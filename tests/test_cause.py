@@ -36,6 +36,7 @@ from gnmr_hf.fidelity import (
     unit_losses,
 )
 from gnmr_hf.policies.cause import UnitRelations
+from gnmr_hf.policy import make_policy
 from gnmr_hf.quant import absmax_rows, quantize_absmax
 from gnmr_hf.signals import UnitSignals
 from gnmr_hf.trace import read_trace
@@ -659,12 +660,14 @@ def test_fidelity_is_measured_alike_under_activation_checkpointing_and_with_bf16
 def test_the_callback_measures_the_configured_rows():
     model = nn.Sequential(nn.Linear(4, 4))
     units = find_units(model, "act_quant", low_bits=2)
-    units[0].meter.start(GNMRConfig().cause_fidelity_rows)
-    assert units[0].meter.max_rows == 256
+    rows, every = make_policy(GNMRConfig(policy="cause", policy_options="fidelity_rows=64")).fidelity_schedule()
+    units[0].meter.start(rows, recovery_every=every)
+    assert (units[0].meter.max_rows, units[0].meter.recovery_every) == (64, 4)  # 4: half of lock_steps (8)
+    assert make_policy(GNMRConfig(policy="cause")).fidelity_schedule()[0] == 256
     with pytest.raises(ValueError, match="rows must be an int >= 0"):
         units[0].meter.start(-1)
-    with pytest.raises(ValueError, match="cause_fidelity_rows must be an int >= 0"):
-        GNMRConfig(cause_fidelity_rows=-2)
+    with pytest.raises(ValueError, match="cause option 'fidelity_rows' must be an int >= 0"):
+        make_policy(GNMRConfig(policy="cause", policy_options="fidelity_rows=-2"))
 
 
 # --------------------------------------------------------------------------------------------- the policy
@@ -925,13 +928,21 @@ def test_a_cause_controller_resumes_with_the_decisions_of_an_uninterrupted_run()
     assert any(whole)
 
 
-def test_cause_options_are_validated_with_errors_naming_the_field():
-    with pytest.raises(ValueError, match=r"GNMRConfig\.policy: unknown policy 'oracle'"):
-        GNMRController(GNMRConfig(policy="oracle"), 2)
-    with pytest.raises(ValueError, match="cause_suspect"):
-        GNMRConfig(policy="cause", cause_suspect=2.0)
-    with pytest.raises(ValueError, match="cause_peer_factor"):
-        GNMRConfig(policy="cause", cause_peer_factor=1.0)
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ("suspect=2.0", r"option 'suspect' must be in \(0, 1\], got 2\.0"),
+        ("suspect=0", r"option 'suspect' must be in \(0, 1\], got 0\.0"),
+        ("peer_factor=1.0", r"option 'peer_factor' must be a finite number > 1, got 1\.0"),
+        ("fidelity_rows=2.5", r"option 'fidelity_rows' must be int \(5 or 5\.0, not 5\.5 or true\), got '2\.5'"),
+        ("recovery_every=0", r"option 'recovery_every' must be an int >= 1, got 0"),
+        ("recovery_every=9", r"option 'recovery_every' must be in 1\.\.lock_steps=8 \(.*\), got 9"),
+        ("budget=3", r"has unknown options \['budget'\]; known options are \['fidelity_rows', 'peer_factor', "),
+    ],
+)
+def test_cause_options_are_validated_with_errors_naming_the_option(options, message):
+    with pytest.raises((TypeError, ValueError), match=r"^GNMRConfig\.policy_options: cause " + message):
+        GNMRController(GNMRConfig(policy="cause", policy_options=options), 2)
 
 
 # ----------------------------------------------------------------------------------------------- end to end
@@ -1013,8 +1024,8 @@ def test_resume_with_the_cause_policy_gives_identical_decisions(
 
 def _resume_with_the_cause_policy(tiny_llama_dir, dataset, tmp_path, restore_callback_states):
     config = GNMRConfig(
-        max_active=2, lock_steps=3, window=3, min_history=3, alpha=4.0, beta=4.0, policy="cause", cause_suspect=1e-6,
-        cause_fidelity_rows=8,
+        max_active=2, lock_steps=3, window=3, min_history=3, alpha=4.0, beta=4.0, policy="cause",
+        policy_options={"suspect": 1e-6, "fidelity_rows": 8},
     )  # fmt: skip
     full = tmp_path / "full"
     make_trainer(tiny_llama_dir, dataset, full, gnmr=config, max_steps=10, spike_step=4).train()
@@ -1046,7 +1057,7 @@ def _resume_with_the_cause_policy(tiny_llama_dir, dataset, tmp_path, restore_cal
 
 @pytest.mark.parametrize("restore_callback_states", [False, True])
 def test_a_block_fp_run_resumes_with_its_held_weight_measures(tmp_path, restore_callback_states):
-    """block_fp measures a weight one step in `cause_recovery_every` and reports that measure between: the
+    """block_fp measures a weight one step in `recovery_every` and reports that measure between: the
     checkpoint carries it, so the resumed run's measures and decisions are the uninterrupted run's."""
     from transformers import Trainer, TrainingArguments
 

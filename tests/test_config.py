@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 
 import pytest
 
 from gnmr_hf import GNMRConfig
+from gnmr_hf.config import _CAUSE_FIELDS
+from gnmr_hf.policy import make_policy
 
 SCHEDULE = dict(threshold_schedule="linear", alpha_final=2.0, beta_final=1.5, schedule_steps=5)
 
@@ -185,3 +189,73 @@ def test_a_trace_file_in_a_subfolder_of_output_dir_is_accepted():
 def test_an_option_given_twice_is_refused_naming_it(text):
     with pytest.raises(ValueError, match=r"GNMRConfig\.backend_options: option 'source' is given twice"):
         GNMRConfig(backend_options=text)
+
+
+# ------------------------------------------------------------ the cause policy's options, once GNMRConfig fields
+
+DEPRECATED = "removed in a later minor version"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "option"),
+    [
+        ("cause_suspect", 0.25, "suspect"),
+        ("cause_peer_factor", 8.0, "peer_factor"),
+        ("cause_fidelity_rows", 64, "fidelity_rows"),
+        ("cause_recovery_every", 2, "recovery_every"),
+    ],
+)
+def test_a_cause_field_still_works_with_a_deprecation_warning_as_the_cause_policys_option(field, value, option):
+    with pytest.warns(DeprecationWarning, match=rf"^GNMRConfig\.{field} is deprecated and will be {DEPRECATED}; "):
+        config = GNMRConfig(policy="cause", **{field: value})
+    assert config.policy_options == {option: value}
+    assert getattr(make_policy(config).opts, option) == value
+    assert getattr(config, field) == getattr(GNMRConfig(), field)  # one value, in the options form
+
+
+def test_a_cause_field_at_its_default_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GNMRConfig(policy="cause", cause_suspect=0.5, cause_peer_factor=4.0, cause_fidelity_rows=256)
+
+
+def test_a_cause_field_and_the_same_option_together_are_refused_naming_both():
+    message = r"GNMRConfig\.cause_suspect=0\.25 and policy_options 'suspect'=0\.3 set the same option"
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=message):
+        GNMRConfig(policy="cause", cause_suspect=0.25, policy_options={"suspect": 0.3})
+
+
+def test_a_checkpoints_config_with_cause_fields_builds_and_is_saved_again_in_the_options_form():
+    saved = {**GNMRConfig().to_dict(), "policy": "cause", "cause_suspect": 0.25, "cause_recovery_every": 2}
+    with pytest.warns(DeprecationWarning):
+        config = GNMRConfig.from_dict(saved)
+    assert config.policy_options == {"suspect": 0.25, "recovery_every": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert GNMRConfig.from_dict(config.to_dict()) == config
+
+
+def test_a_cause_field_from_the_command_line_still_parses_into_the_option():
+    from transformers import HfArgumentParser
+
+    with pytest.warns(DeprecationWarning, match="cause_recovery_every"):
+        (config,) = HfArgumentParser(GNMRConfig).parse_args_into_dataclasses(
+            ["--policy", "cause", "--cause_recovery_every", "2"]
+        )
+    assert config.policy_options == {"recovery_every": 2}
+
+
+def test_the_cause_options_defaults_are_the_deprecated_fields_defaults():
+    from gnmr_hf.policies.cause import CauseOptions
+
+    defaults = {f.name: f.default for f in dataclasses.fields(GNMRConfig)}
+    options = CauseOptions()
+    assert {f: getattr(options, o) for f, o in _CAUSE_FIELDS.items()} == {f: defaults[f] for f in _CAUSE_FIELDS}
+
+
+def test_recovery_every_of_the_config_is_a_deprecated_alias_of_the_policys():
+    config = GNMRConfig(policy="cause", lock_steps=6, policy_options="recovery_every=2")
+    with pytest.warns(DeprecationWarning, match=r"GNMRConfig\.recovery_every is deprecated"):
+        assert config.recovery_every == 2
+    with pytest.warns(DeprecationWarning):
+        assert GNMRConfig(policy="cause", lock_steps=5).recovery_every == 3

@@ -112,14 +112,14 @@ def test_a_unit_exactly_peer_factor_times_its_peers_median_is_not_broken_and_the
 
 
 def test_a_measure_stands_in_recovery_for_recovery_every_steps_from_the_step_it_was_taken():
-    # lock_steps 4, cause_recovery_every 3. down_proj measures 1.8 at step 1, then nothing (NaN). Its measure
+    # lock_steps 4, recovery_every 3. down_proj measures 1.8 at step 1, then nothing (NaN). Its measure
     # stands at steps 2 and 3 (1 and 2 steps after it was taken: renewed to a full lock of 4), not at step 4, from
     # which its lock counts down 3, 2, 1, 0: out at step 7.
-    ctl = cause_controller(lock_steps=4, cause_recovery_every=3)
+    every_3 = dict(lock_steps=4, policy_options="recovery_every=3")
     stream = [losses(u7=1.8)] + [losses(u7=math.nan)] * 7
-    hosts = run(ctl, stream)
+    hosts = run(cause_controller(**every_3), stream)
     assert [7 in h.active for h in hosts] == [True] * 6 + [False] * 2
-    assert [ctl_lock for ctl_lock in _locks_of(cause_controller(lock_steps=4, cause_recovery_every=3), stream, 7)] == [
+    assert [ctl_lock for ctl_lock in _locks_of(cause_controller(**every_3), stream, 7)] == [
         4, 4, 4, 3, 2, 1, 0, 0,
     ]  # fmt: skip
     assert [h.extras["cause"]["why"] for h in hosts[:4]] == [

@@ -19,18 +19,32 @@ sync, a fixed number of ops per step.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ..policy import NEVER, Choice, Scores, load_tensor, top_indices, within_budget
+from ..policy import (
+    FIDELITY_ROWS,
+    NEVER,
+    Choice,
+    PolicyOptions,
+    Scores,
+    half_lock,
+    load_tensor,
+    top_indices,
+    within_budget,
+)
 from .paper import LockedPolicy
 
-__all__ = ["REASONS", "CausePolicy", "UnitRelations"]
+if TYPE_CHECKING:
+    from ..config import GNMRConfig
+
+__all__ = ["REASONS", "CauseOptions", "CausePolicy", "UnitRelations"]
 
 # Why a unit is in the recovery set (`Choice.extras["reason"]`), by code.
 REASONS = ("", "broken", "peer", "cause", "symptom", "held", "countdown")
@@ -117,17 +131,83 @@ def _per_family(values: torch.Tensor, families: torch.Tensor, count: int, reduce
     return out.scatter_reduce(0, families, values, reduce=reduce, include_self=True)
 
 
+@dataclass
+class CauseOptions(PolicyOptions):
+    """Options of `policy="cause"` (`GNMRConfig.policy_options`; until this release `GNMRConfig`'s `cause_*` fields,
+    which still work, with a DeprecationWarning)."""
+
+    suspect: float = field(
+        default=0.5,
+        metadata={
+            "help": "A unit's loss (1 = the backend's bound) above which it can be blamed for a symptom in its family "
+            "and is held in recovery; above 1 it is recovered without a symptom. In (0, 1]."
+        },
+    )
+    peer_factor: float = field(
+        default=4.0,
+        metadata={
+            "help": "A unit whose loss is this many times the median of its peers (the same unit in other layers; all "
+            "units for a unit without peers) and above suspect is broken. > 1."
+        },
+    )
+    fidelity_rows: int = field(
+        default=FIDELITY_ROWS,
+        metadata={
+            "help": "Rows of each tensor a fidelity measure reads, spread over the tensor and moving each step (0: "
+            "every row). Bounds what measuring costs, whatever the batch (docs/method.md). >= 0."
+        },
+    )
+    recovery_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "A unit in recovery measures what its cheap path would lose every this many optimizer steps (its "
+            "last measure stands between); units on the cheap path measure every step (a block_fp weight, which only "
+            "the optimizer moves, on these steps only). In 1..lock_steps, so that a unit still lossy is renewed "
+            "before its lock runs out; None (default): half of lock_steps, rounded up (docs/method.md)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("suspect", 0.0, 1.0), ("peer_factor", 1.0, math.inf)):
+            value = getattr(self, name)
+            allowed = f"in ({low:g}, {high:g}]" if high < math.inf else f"a finite number > {low:g}"
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"option {name!r} must be {allowed}, got {value!r}")
+            if not (low < value <= high) or math.isinf(value):
+                raise ValueError(f"option {name!r} must be {allowed}, got {value}")
+        self.check_int("fidelity_rows", 0)
+        if self.recovery_every is not None:
+            self.check_int("recovery_every", 1)
+
+
 class CausePolicy(LockedPolicy):
-    """The cause policy (see the module docstring). Its options are `GNMRConfig`'s `cause_*` fields and the
-    relapse lock's cap; its state, beyond the locks: the relapse lock (always on) and each unit's last measured loss
-    and its step (`held_cheap_loss`, `held_at`), which stands for a unit in recovery between its measures."""
+    """The cause policy (see the module docstring). Its options are `CauseOptions` (and the config's
+    `relapse_lock_cap`); its state, beyond the locks: the relapse lock (always on) and each unit's last measured loss
+    and its step (`held_cheap_loss`, `held_at`), which stands for a unit in recovery between its measures.
+    `recovery_every` is the option resolved: a unit in recovery measures on one optimizer step in this many."""
 
     name = "cause"
+    options = CauseOptions
+    opts: CauseOptions
     measures = True
+
+    def __init__(self, config: GNMRConfig, options: CauseOptions | None = None) -> None:
+        super().__init__(config, options)
+        every = self.opts.recovery_every
+        if every is not None and every > config.lock_steps:
+            raise ValueError(
+                "GNMRConfig.policy_options: cause option 'recovery_every' must be in "
+                f"1..lock_steps={config.lock_steps} (a unit still lossy must be measured again before its lock runs "
+                f"out), got {every}"
+            )
+        self.recovery_every = every if every is not None else half_lock(config.lock_steps)
 
     @property
     def keeps_lock_lengths(self) -> bool:
         return True
+
+    def fidelity_schedule(self) -> tuple[int, int]:
+        return self.opts.fidelity_rows, self.recovery_every
 
     def bind(self, names: Sequence[str], kinds: Sequence[str], device: torch.device) -> None:
         super().bind(names, kinds, device)
@@ -143,15 +223,15 @@ class CausePolicy(LockedPolicy):
     def _held(self, t: int, cheap_loss: torch.Tensor | None) -> torch.Tensor:
         """This step's loss per unit (float64, NaN where unmeasured), with a unit in recovery's last measure standing
         for it between its measures; updates the held measures."""
-        # A unit in recovery measures only every `cause_recovery_every` steps (`FidelityMeter.due`): between
-        # its measures its last one stands, so that it is held, ranked and released on what it measured.
+        # A unit in recovery measures only every `recovery_every` steps (`FidelityMeter.due`): between its measures
+        # its last one stands, so that it is held, ranked and released on what it measured.
         fresh = (
             torch.full_like(self.held_cheap_loss, torch.nan) if cheap_loss is None else cheap_loss.to(torch.float64)
         )
         measured = ~fresh.isnan()
         # Only a measure from within the unit's measuring period stands: a unit in recovery that stops measuring
         # (no forward: an unused expert) is not held forever on an old loss.
-        stands = self.active & ~measured & (t - self.held_at < self.config.recovery_every)
+        stands = self.active & ~measured & (t - self.held_at < self.recovery_every)
         self._held_before = (self.held_cheap_loss, self.held_at)
         held = torch.where(stands, self.held_cheap_loss, fresh)
         self.held_cheap_loss = torch.where(measured, fresh, self.held_cheap_loss)
@@ -162,7 +242,7 @@ class CausePolicy(LockedPolicy):
         """One step: the new recovery set and locks, and per unit `cheap_loss` (the loss used, NaN where
         unmeasured), `reason` (int8 codes of `REASONS`) and `source` (for a cause: the riskiest symptomatic unit of
         its family, else -1)."""
-        cfg, t, relations = self.config, scores.t, self._relations
+        cfg, opts, t, relations = self.config, self.opts, scores.t, self._relations
         risky, risk, broken_norm, active = scores.risky, scores.risk, scores.broken, self.active
         loss = self._held(t, scores.cheap_loss)
         n = risky.numel()
@@ -170,7 +250,7 @@ class CausePolicy(LockedPolicy):
         index = torch.arange(n, device=device)
         measured = ~loss.isnan()
         s = loss.nan_to_num(nan=0.0, posinf=1e300)
-        suspect = cfg.cause_suspect
+        suspect = opts.suspect
 
         # Peers: far past the median of the same unit in other layers (and suspect: a tiny loss several times another
         # tiny loss is no problem). A unit without peers (the output head; every unit of a model with fewer than
@@ -188,7 +268,7 @@ class CausePolicy(LockedPolicy):
             median = torch.where(row >= 0, medians[row.clamp_min(0)], population)
         else:
             median = population.expand(n)
-        peer_bad = measured & (s > suspect) & (s > cfg.cause_peer_factor * median.nan_to_num(nan=torch.inf))
+        peer_bad = measured & (s > suspect) & (s > opts.peer_factor * median.nan_to_num(nan=torch.inf))
         absolute = measured & (s > 1.0)
         broken = absolute | peer_bad
         unhealthy = broken | (measured & (s > suspect))

@@ -40,7 +40,7 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
     spiked = "model.layers.1.self_attn.v_proj" if mode == "meters" else "model.layers.1.mlp.down_proj"
     # policy="cause" with every measured loss suspect: the spike is blamed on its family's lossiest unit, which only
     # a loss averaged over the ranks makes the same unit on both.
-    cause = {"policy": "cause", "cause_suspect": 1e-6} if mode == "cause" else {}
+    cause = {"policy": "cause", "policy_options": {"suspect": 1e-6}} if mode == "cause" else {}
     gnmr = GNMRCallback(GNMRConfig(max_active=2, lock_steps=2, window=2, min_history=2, alpha=3.0, beta=3.0, **cause))
 
     records = []

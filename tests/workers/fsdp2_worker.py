@@ -124,11 +124,13 @@ def unsharded_cheap_loss(model, backend, config, x) -> list[float]:
     """What the units of `model` (not sharded) measure on batch `x` at the first step, averaged over the ranks by
     `UnitSignals.gather_cheap_loss`."""
     from gnmr_hf import find_units
+    from gnmr_hf.policy import make_policy
     from gnmr_hf.signals import UnitSignals
 
     units = find_units(model, backend, exclude=config.exclude)
+    rows, every = make_policy(config).fidelity_schedule()
     for unit in units:
-        unit.meter.start(config.cause_fidelity_rows, clock=lambda: 0, recovery_every=config.recovery_every)
+        unit.meter.start(rows, clock=lambda: 0, recovery_every=every)
     model(input_ids=x, labels=x).loss.backward()
     cheap_loss = UnitSignals(units, dp_group=dist.group.WORLD).gather_cheap_loss()
     units.close()
