@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .config import GNMRConfig
+from .deprecated import warn_renamed
 from .policy import Choice, Policy, Scores, load_tensor, make_policy, top_indices
 
 __all__ = ["Decision", "GNMRController", "HostDecision"]
@@ -264,6 +265,8 @@ class GNMRController:
         missing: torch.Tensor | None = None,
         cheap_loss: torch.Tensor | None = None,
         impact: torch.Tensor | None = None,
+        *,
+        fidelity: torch.Tensor | None = None,
     ) -> Decision:
         """Score one optimizer step's norms and decide the recovery set for the next step.
 
@@ -274,7 +277,13 @@ class GNMRController:
                 (NaN where unmeasured; `UnitSignals.cheap_loss`); read by `policy="cause"` only.
             impact: optional float tensor [N], what each unit's cheap path cost the loss this step, in nats per token
                 (NaN where unmeasured; `UnitSignals.gather_impact`); read by `policy="impact"` only.
+            fidelity: deprecated name of `cheap_loss` (removed in a later minor version).
         """
+        if fidelity is not None:
+            warn_renamed("GNMRController.observe(fidelity=...)", "observe(cheap_loss=...)")
+            if cheap_loss is not None:
+                raise TypeError("GNMRController.observe: give cheap_loss only, not also fidelity (its old name)")
+            cheap_loss = fidelity
         self._check_norms(norms, missing)
         for name, value in (("cheap_loss", cheap_loss), ("impact", impact)):
             if value is not None and (value.shape != norms.shape or value.device != self.device):

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from .deprecated import warn_renamed
 from .options import BackendOptions
 
 if TYPE_CHECKING:
@@ -84,6 +85,11 @@ class Scores:
     broken: torch.Tensor
     cheap_loss: torch.Tensor | None = None
     impact: torch.Tensor | None = None
+
+    @property
+    def fidelity(self) -> torch.Tensor | None:
+        warn_renamed("Scores.fidelity", "Scores.cheap_loss")
+        return self.cheap_loss
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .deprecated import warn_renamed
 from .fidelity import unit_losses
 from .impact import impacts
 from .options import BackendOptions
@@ -319,6 +320,15 @@ class UnitSignals:
             torch.distributed.all_reduce(both, group=self.dp_group)
             loss = torch.where(both[1] > 0, both[0] / both[1].clamp_min(1.0), torch.nan)
         return loss
+
+    def gather_fidelity(self) -> torch.Tensor | None:
+        warn_renamed("UnitSignals.gather_fidelity()", "gather_cheap_loss()")
+        return self.gather_cheap_loss()
+
+    @property
+    def fidelity(self) -> torch.Tensor | None:
+        warn_renamed("UnitSignals.fidelity", "UnitSignals.cheap_loss")
+        return self.cheap_loss
 
     def gather_impact(self, scale: Any = None) -> torch.Tensor | None:
         """[N] float32 of what each unit's cheap path cost the loss this step (nats per token, `gnmr_hf.impact`),

@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 from torch import nn
 
+from .deprecated import RenamedUnitNames
 from .impact import ImpactMeter
 from .meter import FidelityMeter
 from .options import BackendOptions
@@ -120,7 +121,7 @@ class DispatchContext(Generic[OptionsT]):
         return self._once[make]
 
 
-class RecoverableUnit:
+class RecoverableUnit(RenamedUnitNames):
     """One module with a low-cost path and a recovery path. A backend subclasses it (or `SwitchedUnit`).
 
     The contract, owned here: `enter_recovery()` / `exit_recovery()` are idempotent, cheap and reversible, create
@@ -134,6 +135,8 @@ class RecoverableUnit:
     `output_grad` (the `OutputGradMeter` of an output-gradient signal, else None), `meter` (its `FidelityMeter`),
     `impact` (its `gnmr_hf.impact.ImpactMeter`: what its cheap path costs the loss, for `policy="impact"`; a backend
     offers it where it holds the cheap and the exact output, `measures_impact` says whether it does), `closed`.
+    The names it had before its meter (`sample_rows`, `report_fidelity`, ...) still work, with a DeprecationWarning
+    (`gnmr_hf.deprecated.RenamedUnitNames`).
     """
 
     closed = False

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gnmr_hf import Backend, SwitchedUnit
+from gnmr_hf.fidelity import OperandStats, operand_stats, take_rows
 from gnmr_hf.testing import check_backend, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,6 +140,58 @@ def test_a_unit_with_a_fidelity_bound_must_report_and_may_report_a_0d_loss():
     model(input_ids=ids).logits.sum().backward()
     assert units[0].meter.take_loss().item() == 0.25
     units.close()
+
+
+class PreviousDocsCastUnit(SwitchedUnit):
+    """The unit of docs/backends.md's outside backend as the previous release showed it, before measuring moved to
+    `self.meter`: its rows came from `self.sample_rows(x)`."""
+
+    fidelity_bound = "input cast to bfloat16: max(relative L2 error / 2, row-sum bias / 0.1)"
+
+    def input_fidelity(self, x: torch.Tensor) -> OperandStats:
+        rows = take_rows(x, self.sample_rows(x))
+        return operand_stats(rows, rows.to(torch.bfloat16))
+
+    def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.module.weight, self.module.bias
+        return F.linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()).to(x.dtype)
+
+    def recovery_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.module.weight, self.module.bias)
+
+
+class ReportsFromItsForward(Float64Unit):
+    """A unit that reports from its own code, as the previous docs said: `self.report_fidelity(*parts)` while
+    `self.measuring`."""
+
+    fidelity_bound = "a constant quarter of the bound"
+
+    def forward_and_report(self, forward, x: torch.Tensor) -> torch.Tensor:
+        if self.measuring:
+            self.report_fidelity(torch.tensor(0.25))
+        return forward(x)
+
+    def cheap_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_and_report(super().cheap_forward, x)
+
+    def recovery_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_and_report(super().recovery_forward, x)
+
+
+RENAMED = r"RecoverableUnit\.{} is deprecated and will be removed in a later minor version; use {}"
+
+
+def test_a_backend_written_against_the_previous_docs_passes_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match=RENAMED.format(r"sample_rows\(x\)", r"self\.meter\.rows\(x\)")):
+        check_backend(_backend(PreviousDocsCastUnit), lambda: tiny_llama(num_hidden_layers=1))
+
+
+def test_a_backend_that_reports_from_its_own_code_under_the_previous_names_passes_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning) as caught:
+        check_backend(_backend(ReportsFromItsForward), lambda: tiny_llama(num_hidden_layers=1))
+    messages = {str(w.message) for w in caught}
+    assert any(re.match(RENAMED.format("measuring", r"self\.meter\.due"), m) for m in messages)
+    assert any(re.match(RENAMED.format(r"report_fidelity\(\*parts\)", r"self\.meter\.report"), m) for m in messages)
 
 
 def test_a_forward_that_fails_on_one_path_is_named():
