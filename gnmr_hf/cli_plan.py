@@ -19,6 +19,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .commandline import fail, one_line_errors, quiet_unused_imports
 
@@ -90,7 +91,7 @@ def _check(args: argparse.Namespace) -> str:
             backend.parse_options(parse_options_text(args.backend_options, what="options"))
         except (TypeError, ValueError) as err:
             fail(f"--backend_options: {err}")
-    from .experiments.models import check_model
+        from .experiments.models import check_model
 
     try:
         check_model(args.model)
@@ -102,11 +103,28 @@ def _check(args: argparse.Namespace) -> str:
 def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(argv)
     text = _check(args)
+    # Loading and finding the units import what transformers and the backends import lazily (torchao, bitsandbytes'
+    # kernels): inside the quieting block too, so that the ranking is what the user reads.
     with quiet_unused_imports(args.backend):
-        import torch
+        import transformers  # noqa: F401  (then deepspeed, at the block's end, without its CPU line)
+    with quiet_unused_imports(args.backend):
+        ranking = _rank(args, text)
+    ranking.source = f"{args.model}, {args.data}: " + ranking.source
+    print(ranking.format(budget=args.budget, top=args.top))
+    if args.output is not None:
+        data = ranking.to_dict(args.budget) | {"model": args.model, "data": args.data, "seq_len": args.seq_len}
+        Path(args.output).write_text(json.dumps(data, indent=1))
+        print(f"plan: {args.output}")
+    sys.stdout.flush()
+    return 0
 
-        from .experiments.models import load_real_model
-        from .planning import plan
+
+def _rank(args: argparse.Namespace, text: str) -> Any:
+    """The model loaded, the text cut into batches, and `gnmr_hf.plan`'s ranking of its units."""
+    import torch
+
+    from .experiments.models import load_real_model
+    from .planning import plan
 
     model, tokenizer = load_real_model(args.model)
     ids = torch.tensor(tokenizer(text).input_ids, dtype=torch.long)
@@ -133,11 +151,4 @@ def main(argv: Sequence[str]) -> int:
             raise ValueError(f"--budget {args.budget} is more than the {len(ranking.units)} units found")
     except ValueError as err:
         fail(str(err))
-    ranking.source = f"{args.model}, {args.data}: " + ranking.source
-    print(ranking.format(budget=args.budget, top=args.top))
-    if args.output is not None:
-        data = ranking.to_dict(args.budget) | {"model": args.model, "data": args.data, "seq_len": args.seq_len}
-        Path(args.output).write_text(json.dumps(data, indent=1))
-        print(f"plan: {args.output}")
-    sys.stdout.flush()
-    return 0
+    return ranking
