@@ -15,8 +15,8 @@ in one of two forms:
   parsing, the dataclasses' validation and the backend's option check included (bf16 taken as available, as on
   the GPU they are written for), and stop there: a flag renamed,
   a value no longer accepted or a backend option misspelled fails. `accelerate launch` options are parsed by
-  accelerate's own parser and its `--config_file` must load; `pip install` extras must exist in pyproject.toml;
-  `python -m pytest -q` must be what CI runs; a `python -` heredoc must compile.
+  accelerate's own parser and its `--config_file`, where given, must load; `pip install` extras must exist in
+  pyproject.toml; `python -m pytest -q` must be what CI runs; a `python -` heredoc must compile.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-LINKED = ("recipes", "benchmarks", "gnmr_hf", "docs", "constraints-cpu.txt", "pyproject.toml", ".ci")
+LINKED = ("recipes", "benchmarks", "examples", "gnmr_hf", "docs", "constraints-cpu.txt", "pyproject.toml", ".ci")
 PROGRAMS = ("python", "accelerate", "gnmr-hf", "pip", "bash")
 # bash functions standing in for the programs: each call appends its arguments, NUL-separated, to a record file
 # (`python -` also keeps its stdin, the heredoc). `timeout N cmd` runs cmd; `cat` of a file is a no-op.
@@ -185,7 +185,8 @@ def run_command(argv: list[str], cwd: Path, monkeypatch, parse_only: bool) -> st
 
         launch = launch_command_parser()
         options = launch.parse_args(rest[1:])  # accelerate's own parser: its flags as written
-        yaml.safe_load((cwd / options.config_file).read_text())
+        if options.config_file is not None:
+            yaml.safe_load((cwd / options.config_file).read_text())
         return run_command(["python", options.training_script, *options.training_script_args], cwd, monkeypatch, True)
     if program == "python" and rest[:2] == ["-m", "pytest"]:
         assert " ".join(argv) in (ROOT / ".ci" / "run").read_text()  # the suite itself is what CI runs
