@@ -266,15 +266,16 @@ class GNMRConfig:
                 DeprecationWarning,
                 stacklevel=4,  # the caller of GNMRConfig(...): past this method, __post_init__ and __init__
             )
+            if self.policy != "cause":
+                continue
             if option in self.policy_options:
                 raise ValueError(
                     f"GNMRConfig.{name}={value!r} and policy_options {option!r}={self.policy_options[option]!r} set "
                     f"the same option of the cause policy; give it once, as policy_options {option!r} ({name} is "
                     "deprecated)"
                 )
-            if self.policy == "cause":
-                self.policy_options[option] = value
-                setattr(self, name, defaults[name])
+            self.policy_options[option] = value
+            setattr(self, name, defaults[name])
 
     def _check_int(self, name: str, minimum: int) -> None:
         # numbers.Integral admits numpy integers (a value read from an array or a sweep), not bools.
