@@ -93,7 +93,20 @@ def _advise(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--expect", nargs="*", default=[], help="Regexes of a carve-out you already use; each must match some unit."
     )
+    parser.add_argument(
+        "--budget",
+        default=None,
+        help="A policy='impact' trace: also print the carve-out of this many units by impact (a count, or a "
+        "fraction of the units: 0.15).",
+    )
     args = parser.parse_args(argv)
+    if args.budget is not None:
+        from .planning import parse_budget
+
+        try:
+            args.budget = parse_budget(args.budget, what="--budget")
+        except ValueError as err:
+            fail(str(err))
     if not 0 < args.min_share <= 1:
         fail(f"--min_share must be in (0, 1], got {args.min_share}")
     for pattern in args.expect:
@@ -106,7 +119,9 @@ def _advise(argv: Sequence[str]) -> int:
     except (FileNotFoundError, ValueError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    text, errors = advise_module.format_advice(advice, args.expect)
+    if isinstance(args.budget, int) and args.budget > len(advice.units):
+        fail(f"--budget {args.budget} is more than the {len(advice.units)} units of the trace")
+    text, errors = advise_module.format_advice(advice, args.expect, args.budget)
     print(text)
     for error in errors:
         print(f"error: {error}", file=sys.stderr)

@@ -311,3 +311,45 @@ def test_an_act_quant_linears_impact_is_its_rounded_inputs_output_change():
     expected = 0.5 * 5 * ((rounded - x) @ model[0].weight.detach().t()).square().sum()
     assert value.item() == pytest.approx(expected.item(), rel=1e-4)
     unit.close()
+
+
+def _impact_trace(tmp_path) -> str:
+    names = ["model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj", "lm_head"]
+    header = {"type": "header", "version": 2, "units": names, "backend": "block_fp", "config": {"max_active": 1}}
+    records = [header]
+    for step, estimate in enumerate(([[0, 0.01], [2, 0.5]], [[1, 0.03]], [[0, 0.03], [2, 0.3]]), start=1):
+        records.append(
+            {"type": "step", "step": step, "t": step, "active": [2], "entered": [2] if step == 1 else [], "exited": [],
+             "risky": [], "n_scored": 3, "n_candidates": 1, "max_risk": 0.0, "top": [], "alpha": 3.0, "beta": 3.0,
+             "impact": {"estimate": estimate, "measure": []}}
+        )  # fmt: skip
+    path = tmp_path / "gnmr_trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_advise_budget_prints_the_carve_out_of_the_costliest_units_by_their_mean_estimate(tmp_path, capsys):
+    from gnmr_hf.cli import main
+
+    assert main(["advise", _impact_trace(tmp_path), "--budget", "2"]) == 0
+    out = capsys.readouterr().out
+    # Means: lm_head 0.4, down_proj 0.03, up_proj 0.02.
+    assert "carve-out at budget 2: 2 units" in out
+    assert "llm_int8_skip_modules = ['lm_head', 'model.layers.0.mlp.down_proj']" in out
+
+
+@pytest.mark.parametrize(
+    "budget, message",
+    [
+        ("0", "error: --budget must be a count of units (an int >= 1)"),
+        ("many", "error: --budget must be a count of units"),
+        ("4", "error: --budget 4 is more than the 3 units of the trace"),
+    ],
+)
+def test_advise_budget_mistakes_are_one_line(tmp_path, capsys, budget, message):
+    from gnmr_hf.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["advise", _impact_trace(tmp_path), "--budget", budget])
+    err = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(message)
