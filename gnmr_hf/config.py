@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import PurePath
 from typing import Any
 
-from .options import parse_options_text
+from .options import _typed, parse_options_text
 
 __all__ = ["GNMRConfig"]
 
@@ -307,19 +307,19 @@ class GNMRConfig:
 
     @property
     def recovery_every(self) -> int:
-        """Deprecated (removed in a later minor version): how often a unit in recovery measures, as the policy resolves
-        it (`CausePolicy.recovery_every`, `Policy.fidelity_schedule()`)."""
+        """Deprecated (removed in a later minor version): how often a unit in recovery measures, as the cause policy
+        resolves it (`CausePolicy.recovery_every`, `Policy.fidelity_schedule()`); read here without the policy, whose
+        module imports torch, so that the config stays a leaf."""
         warnings.warn(
             "GNMRConfig.recovery_every is deprecated and will be removed in a later minor version; the cause policy's "
             "option resolved is gnmr_hf.policy.make_policy(config).fidelity_schedule()[1]",
             DeprecationWarning,
             stacklevel=2,
         )
-        if self.policy != "cause" and self.cause_recovery_every is not None:
-            return self.cause_recovery_every
-        from .policy import make_policy  # torch, only on this deprecated path: the config stays a leaf
-
-        return make_policy(self).fidelity_schedule()[1]
+        every = self.cause_recovery_every
+        if self.policy == "cause":  # the field moved into the options: typed as CauseOptions types it
+            every = _typed(self.policy_options.get("recovery_every"), int | None, "recovery_every")
+        return every if every is not None else -(-self.lock_steps // 2)
 
     def thresholds(self, step: int) -> tuple[float, float]:
         """(alpha_t, beta_t) at optimizer step `step` (1-based). Computed on the host: no device sync."""

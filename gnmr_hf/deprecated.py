@@ -99,12 +99,12 @@ class RenamedUnitNames:
         self._renamed_state("load_meter_state")(state)
 
     def _renamed_state(self, new: str) -> Callable[..., Any]:
-        """The unit's `new` method; the base one when it is the subclass's old-named method itself, which is calling
-        the base (`super().fidelity_state()`): going back to it would never end."""
-        from .units import RecoverableUnit  # here: units imports this module
-
+        """The unit's `new` method; the base one (the next definition up the class hierarchy) when it is the
+        subclass's old-named method itself, which is calling the base (`super().fidelity_state()`): going back to it
+        would never end."""
         old = next(o for o, n in _OVERRIDDEN.items() if n == new)
         method = getattr(type(self), new)
-        if method is getattr(type(self), old):
-            return getattr(RecoverableUnit, new).__get__(self)
-        return getattr(self, new)
+        if method is not getattr(type(self), old):
+            return getattr(self, new)
+        base = next(c.__dict__[new] for c in type(self).__mro__ if c.__dict__.get(new, method) is not method)
+        return base.__get__(self)
