@@ -124,7 +124,7 @@ class Policy(ABC):
     meters, as `fidelity_schedule` says), `resumes` (False: a run with it does not resume from a checkpoint; the
     callback refuses), `capped` (True: `Choice.active` never holds more than `max_active` units, and a step whose set
     does is an error naming the policy, raised where the decision reaches the host (`Decision.to_host`), before any
-    unit flips; False: the set is the policy's own by design, as the harness's static-high and carve-out baselines).
+    unit flips; False: the set is the policy's own by design, as a static carve-out's or every unit's).
     """
 
     name: ClassVar[str] = ""
