@@ -10,8 +10,11 @@ tensor's device. Every decision, its test and its cost: docs/quant.md.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -57,8 +60,45 @@ def _codes_per_byte(bits: int) -> int:
     return 8 // bits if 8 % bits == 0 else 1
 
 
-def _shifts(bits: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)[: _codes_per_byte(bits)]
+@functools.cache
+def _torchao_uint4() -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] | None:
+    """torchao's `(pack_uint4, unpack_uint4)` where torchao is installed and has them, else None."""
+    if importlib.util.find_spec("torchao") is None:
+        return None
+    # Its import logs the CUDA kernels it cannot load on a CPU machine (the loggers `commandline.quiet_unused_imports`
+    # hushes): no news to a caller packing codes. transformers has usually imported it already; then this is free.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        # A prototype module (the packing its MX and NVFP4 tensors use): where a later torchao moves or breaks it,
+        # the strided form below writes the same bytes.
+        from torchao.prototype.mx_formats.kernels import pack_uint4, unpack_uint4
+    except Exception:  # an installed torchao built for another torch fails at import in its own ways
+        return None
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+    return pack_uint4, unpack_uint4
+
+
+def _pack_strided(flat: torch.Tensor, bits: int) -> torch.Tensor:
+    """`flat` (uint8, a multiple of 8 // bits codes) packed by ORing its strided slices: code i of each byte is
+    `flat[i::per_byte] << bits * i` (torchao's `pack_uint4` at 4 bits, written for any width that divides 8)."""
+    per_byte = 8 // bits
+    packed = flat[0::per_byte].clone()
+    for i in range(1, per_byte):
+        packed |= flat[i::per_byte] << bits * i
+    return packed
+
+
+def _unpack_strided(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `_pack_strided`: every code of `packed`, flat (torchao's `unpack_uint4` at 4 bits)."""
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    # The top code needs no mask: the shift drops the bits below it and brings in zeros above.
+    fields = [(packed >> bits * i) & mask for i in range(per_byte - 1)] + [packed >> bits * (per_byte - 1)]
+    return torch.stack(fields, dim=-1).reshape(-1)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -67,7 +107,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     Code i of a byte sits at bit offset bits * i (the first code in the low bits). The tail of the last byte is
     zero-padded; `unpack_codes` needs the original `numel` to drop it. Codes >= 2**bits are not checked (that would
     cost a device sync) and would corrupt their neighbours. With one code per byte the result is a flat view of
-    `codes`.
+    `codes`. At 4 bits the packing is torchao's `pack_uint4` where torchao is installed (the same layout), else the
+    same strided OR in plain torch; both write the same bytes (docs/act_quant.md, "Step time").
     """
     _check_bits("pack_codes", bits)
     if codes.dtype != torch.uint8:
@@ -78,8 +119,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return flat
     if flat.numel() % per_byte:
         flat = F.pad(flat, (0, -flat.numel() % per_byte))
-    # The bit fields are disjoint, so their sum is their bitwise or (which has no reduction op).
-    return (flat.view(-1, per_byte) << _shifts(bits, flat.device)).sum(dim=1, dtype=torch.uint8)
+    torchao = _torchao_uint4() if bits == 4 else None
+    return _pack_strided(flat, bits) if torchao is None else torchao[0](flat)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -97,8 +138,10 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         )
     if per_byte == 1:
         return packed.reshape(-1)
-    codes = (packed.reshape(-1, 1) >> _shifts(bits, packed.device)).bitwise_and_((1 << bits) - 1)
-    return codes.reshape(-1)[:numel]
+    flat = packed.reshape(-1).contiguous()
+    torchao = _torchao_uint4() if bits == 4 else None
+    codes = _unpack_strided(flat, bits) if torchao is None else torchao[1](flat)
+    return codes[:numel]
 
 
 def _check_group_size(where: str, shape: torch.Size, group_size: Any) -> int | None:

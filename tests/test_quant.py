@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from gnmr_hf import quant
 from gnmr_hf.quant import (
     FORMATS,
     QuantizedTensor,
@@ -319,6 +320,37 @@ def test_pack_unpack_is_an_exact_inverse(bits, numel):
 def test_pack_codes_puts_the_first_code_in_the_low_bits():
     assert pack_codes(torch.tensor([1, 2, 3], dtype=torch.uint8), 4).tolist() == [0x21, 0x03]
     assert pack_codes(torch.tensor([1, 2, 3, 0, 3], dtype=torch.uint8), 2).tolist() == [0b00111001, 0b11]
+
+
+def bytes_of_the_sum_form(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """How pack_codes packed until torchao's and the strided form replaced it: each byte's codes shifted to their
+    offsets and summed (disjoint bit fields, so the sum is their OR)."""
+    per_byte = 8 // bits if 8 % bits == 0 else 1
+    flat = torch.nn.functional.pad(codes, (0, -codes.numel() % per_byte))
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)[:per_byte]
+    return (flat.view(-1, per_byte) << shifts).sum(dim=1, dtype=torch.uint8)
+
+
+@pytest.fixture(params=["torchao", "strided"])
+def packing_path(request, monkeypatch):
+    """Run a test on torchao's pack_uint4/unpack_uint4 (used wherever torchao is installed) and on the plain-torch
+    strided form that stands in for it otherwise."""
+    if request.param == "torchao":
+        pytest.importorskip("torchao")
+        assert quant._torchao_uint4() is not None, "torchao is installed, so 4-bit packing must be its pack_uint4"
+    else:
+        monkeypatch.setattr(quant, "_torchao_uint4", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
+@pytest.mark.parametrize("numel", [1, 1000, 1001, 1002, 1003])
+def test_packing_writes_the_same_bytes_as_the_sum_form_and_unpacks_them_back(packing_path, bits, numel):
+    g = torch.Generator().manual_seed(bits * 10_000 + numel)
+    codes = torch.randint(0, 2**bits, (numel,), generator=g, dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert torch.equal(packed, bytes_of_the_sum_form(codes, bits))
+    assert torch.equal(unpack_codes(packed, bits, numel), codes)
 
 
 def test_4bit_storage_is_half_of_8bit():
