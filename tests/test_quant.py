@@ -353,6 +353,22 @@ def test_packing_writes_the_same_bytes_as_the_sum_form_and_unpacks_them_back(pac
     assert torch.equal(unpack_codes(packed, bits, numel), codes)
 
 
+@pytest.mark.parametrize("bits", ALL_BITS)
+@pytest.mark.parametrize("group_size", [None, 7])
+def test_quantize_absmax_stores_the_bytes_of_its_definition_and_dequantize_gives_back_their_values(
+    packing_path, bits, group_size
+):
+    x = spread_tensor(shape=(9, 7 * 15))  # an odd number of elements: the last byte is padded at 2 and 4 bits
+    x[3] = 0.0  # a group of zeros: scale 0, codes qmax
+    qmax = 2 ** (bits - 1) - 1
+    groups = x.reshape(-1, x.numel() if group_size is None else group_size)
+    scales = groups.abs().amax(dim=1, keepdim=True) / qmax
+    codes = torch.round(groups / torch.where(scales > 0, scales, 1.0)).clamp(-qmax, qmax) + qmax
+    q = quantize_absmax(x, bits, group_size=group_size)
+    assert torch.equal(q.packed, bytes_of_the_sum_form(codes.reshape(-1).to(torch.uint8), bits))
+    assert torch.equal(q.dequantize(), ((codes - qmax) * scales).reshape(x.shape))
+
+
 def test_4bit_storage_is_half_of_8bit():
     x = spread_tensor(shape=(64, 128))
     q4, q8 = quantize_absmax(x, 4, group_size=32), quantize_absmax(x, 8, group_size=32)
