@@ -243,6 +243,31 @@ def test_attention_units_match_eager_attention_forward_exactly_and_backward_clos
         torch.testing.assert_close(g[name], ref[name], rtol=1e-4, atol=1e-6)
 
 
+def test_the_attention_logsumexp_is_torchs_bit_for_bit_on_masked_peaked_and_non_finite_rows():
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(8, 300, generator=g) * torch.tensor([1.0, 10.0, 100.0, 1000.0] * 2).unsqueeze(-1)
+    rows[4:, 150:] = -torch.inf  # masked keys; the large scales leave most terms below e^-87.3 (1.2e-38)
+    rows[5] = -torch.inf  # a fully masked row
+    rows[6, 7] = math.nan
+    rows[7, 9] = math.inf
+    for length in (1, 37, 300):
+        s = rows[:, :length]
+        torch.testing.assert_close(
+            aq_attention._logsumexp(s), torch.logsumexp(s, dim=-1), rtol=0, atol=0, equal_nan=True
+        )
+
+
+def test_recomputed_probabilities_below_1e_38_are_zero_and_the_rest_are_torchs_exp():
+    x = torch.cat([torch.linspace(-120.0, 0.0, 10_001), torch.tensor([-torch.inf, math.nan])])
+    exact = torch.exp(x)
+    flushed = aq_attention._exp_flushed_(x.clone())
+    kept, low = x >= aq_attention.EXP_FLOOR, x < aq_attention.EXP_FLOOR
+    assert torch.equal(flushed[kept], exact[kept])
+    assert (flushed[low] == 0).all()
+    assert (exact[low] <= 1.22e-38).all()  # what is flushed is float32's denormals and smallest normals
+    assert flushed[-1].isnan()
+
+
 def test_attention_with_a_padding_mask_matches_eager():
     model = small_llama()
     eager = copy.deepcopy(model)

@@ -29,6 +29,13 @@ _ATTENTION_UNIT = "_gnmr_attention_unit"
 # probabilities sums to 1 within ~n * 6e-8, so rows of up to ~16k keys on a faithful path are never touched.
 ROW_TOTAL_SLACK = 1e-3
 
+# exp below e^-87.34 is under float32's smallest normal number (2^-126): a denormal, or 0. torch's CPU exp (MKL's
+# vsExp) takes a slow path for every such input, -inf included, 5-35x slower than for the rest (2-core AMD EPYC,
+# torch 2.13): the causal mask's -inf half of every score matrix, and the far tail of a trained model's peaked rows.
+# So entries below e^EXP_FLOOR (1.2e-38: the denormals and the smallest normals) are set to 0 instead of computed
+# (`_exp_flushed_`, `_logsumexp`).
+EXP_FLOOR = -87.3
+
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, Hkv, S, d] -> [B, Hkv * groups, S, d], each kv head repeated for its `groups` query heads (GQA)."""
@@ -54,18 +61,20 @@ def _scores(
 ) -> torch.Tensor:
     """Attention logits q k^T * scaling in float32 with the mask applied (-inf where a key is masked out). With
     `positions`, q holds only those query positions (of `num_queries`), and the mask is taken at them."""
-    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scaling
+    # In place on the fresh score matrix, here and in the recomputation: each further full-size temporary is an
+    # allocation that page-faults again on a CPU (about 200 minor faults per 4 MiB score matrix, measured).
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)).mul_(scaling)
     if mask is not None:
         if positions is not None:
             mask = mask.index_select(-2, positions) if mask.shape[-2] > 1 else mask
-        return s.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else s + mask.float()
+        return s.masked_fill_(~mask, -torch.inf) if mask.dtype == torch.bool else s.add_(mask.float())
     if is_causal:
         n = s.shape[-1]
         t = s.shape[-2] if positions is None else num_queries
         query = torch.arange(s.shape[-2], device=s.device) if positions is None else positions
         # Query i sees keys up to i + (n - t): the keys before the queries (a cache) are all visible.
         keep = torch.arange(n, device=s.device) <= query.unsqueeze(-1) + (n - t)
-        return s.masked_fill(~keep, -torch.inf)
+        return s.masked_fill_(~keep, -torch.inf)
     return s
 
 
@@ -91,7 +100,25 @@ def _recomputed_probabilities(
     backward then caps each row's sum (`ActQuantOptions.max_row_total`), which keeps the gradients' size bounded
     too, not only finite."""
     logits = _scores(q, k_rep, mask, is_causal, scaling, positions, num_queries)
-    return torch.exp((logits - lse.unsqueeze(-1)).clamp(max=0.0))
+    return _exp_flushed_(logits.sub_(lse.unsqueeze(-1)).clamp_(max=0.0))
+
+
+def _exp_flushed_(x: torch.Tensor) -> torch.Tensor:
+    """exp of `x`, in place, with every value below e^EXP_FLOOR (1.2e-38) set to 0 rather than computed on exp's slow
+    path; the same values as torch.exp everywhere else (NaN stays NaN)."""
+    flushed = x < EXP_FLOOR
+    return x.clamp_(min=EXP_FLOOR).exp_().masked_fill_(flushed, 0.0)
+
+
+def _logsumexp(s: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(s, dim=-1), bit for bit, with torch's own steps (the row max, set to 0 where it is infinite;
+    exp of the shifted row; sum; log; the max added back) but `_exp_flushed_`'s exp: a term below 1.2e-38 changes no
+    row's sum, which holds its max's exp(0) = 1 (a row of -inf sums to 0 either way)."""
+    if s.numel() == 0:
+        return torch.logsumexp(s, dim=-1)
+    m = s.amax(dim=-1, keepdim=True)
+    m.masked_fill_(m.abs() == math.inf, 0.0)
+    return _exp_flushed_(s - m).sum(dim=-1).log_().add_(m.squeeze(-1))
 
 
 def _used_rows(p: torch.Tensor, renormalize: bool, max_row_total: float) -> torch.Tensor:
@@ -138,7 +165,7 @@ class QuantSavedAttention(torch.autograd.Function):
     ) -> torch.Tensor:
         groups = q.shape[1] // k.shape[1]
         s = _scores(q, _repeat_kv(k, groups), mask, is_causal, scaling)
-        lse = torch.logsumexp(s, dim=-1)
+        lse = _logsumexp(s)
         # The forward is eager attention's own softmax (bit for bit); only the backward recomputes from lse.
         p = torch.softmax(s, dim=-1)
         if mask is not None:
@@ -189,9 +216,9 @@ class QuantSavedAttention(torch.autograd.Function):
         d_out = grad_out.float()
         d_v = torch.matmul(p.transpose(-2, -1), d_out)
         d_p = torch.matmul(d_out, v_rep.transpose(-2, -1))
-        d_s = p * (d_p - (p * d_p).sum(-1, keepdim=True))
-        d_q = torch.matmul(d_s, k_rep) * scaling
-        d_k = torch.matmul(d_s.transpose(-2, -1), q) * scaling
+        d_s = d_p.sub_((p * d_p).sum(-1, keepdim=True)).mul_(p)  # p * (d_p - rowsum(p * d_p)), in place
+        d_q = torch.matmul(d_s, k_rep).mul_(scaling)
+        d_k = torch.matmul(d_s.transpose(-2, -1), q).mul_(scaling)
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         return (
             d_q.to(q_dtype),
