@@ -167,10 +167,10 @@ def format_advice(
                 + (f"; symptoms in: {blamed}" if blamed else "")
             )
         if advice.unheld:
-            budget = f"max_active={advice.max_active}" if advice.max_active is not None else "max_active"
+            cap = f"max_active={advice.max_active}" if advice.max_active is not None else "max_active"
             lines.append(
                 f"units broken or left out persistently that the run did not hold ({len(advice.unheld)}; the budget, "
-                f"{budget}, was full):"
+                f"{cap}, was full):"
             )
         for u in advice.unheld:
             evidence = []

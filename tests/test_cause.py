@@ -1156,6 +1156,9 @@ CARVE_OUT = {'model.layers.0.self_attn'}
 def module_filter_fn(module, fqn):
     return fqn not in CARVE_OUT
 
+# accelerate: Accelerator(mixed_precision='fp8', kwargs_handlers=[AORecipeKwargs(
+#     module_filter_func=module_filter_fn)])  (the same function as torchao's, above)
+
 # bitsandbytes: BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=...)
 llm_int8_skip_modules = ['model.layers.0.self_attn']
 

@@ -61,7 +61,8 @@ def _inline_commands(text: str) -> list[str]:
     # `gnmr-hf report`): a command has what it runs, a script or a trace.
     spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
     pattern = (
-        r"python (recipes|benchmarks)/\S+\.py|gnmr-hf demo|gnmr-hf report \S|bash \S+\.sh|accelerate launch .*\.py"
+        r"python (recipes|benchmarks)/\S+\.py|gnmr-hf demo|gnmr-hf (report|advise|plan) \S|bash \S+\.sh"
+        r"|accelerate launch .*\.py"
     )
     return [s for s in spans if re.match(pattern, s)]
 
