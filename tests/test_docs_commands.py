@@ -11,6 +11,8 @@ in one of two forms:
 
 - **run**: the commands a new user runs first on a CPU (the demo, the tiny presets, the offline evaluation, `report`
   on a trace that exists) run to the end, with only size flags added (`--max_steps`, `--eval_steps`, `--limit`);
+  where a block repeats one command with other values (a loop over seeds or thresholds: the same program, script,
+  flags, arm, backend and policy), the first runs and the rest are parsed;
 - **parse**: the rest (a 13B fine-tune, hours of pretraining, a GPU check) run up to the end of their argument
   parsing, the dataclasses' validation and the backend's option check included (bf16 taken as available, as on
   the GPU they are written for), and stop there: a flag renamed,
@@ -261,5 +263,22 @@ def test_documented_command_runs_as_written(name, text, tmp_path, monkeypatch, o
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     commands = record(text, tmp_path, tmp_path / ".rec")
     assert commands, f"{name}: no command found"
+    ran: set[tuple[str, ...]] = set()
     for argv in commands:
-        run_command(argv, tmp_path, monkeypatch, False)
+        # A loop over seeds, arms or thresholds repeats one command with other values: the first of each shape (the
+        # program, the script and the flags given) runs in its smallest form, the others are parsed, flags and
+        # values checked as the first's were.
+        shape = _shape(argv)
+        if run_command(argv, tmp_path, monkeypatch, shape in ran) == "run":
+            ran.add(shape)
+
+
+# Flags whose value chooses a code path (a model, an arm, a backend, a policy): part of a command's shape, valued.
+_PATH_FLAGS = ("--model", "--preset", "--arm", "--arms", "--backend", "--policy", "--int8_training_kernel")
+
+
+def _shape(argv: list[str]) -> tuple[str, ...]:
+    """The program, its script or subcommand, the sorted names of the flags a command gives, and the values of the
+    flags that choose a code path."""
+    chosen = [f"{a}={argv[i + 1]}" for i, a in enumerate(argv[:-1]) if a in _PATH_FLAGS]
+    return (*argv[:2], *sorted(a for a in argv[2:] if a.startswith("--")), *chosen)
