@@ -1,17 +1,16 @@
 """Which backends exist, and `find_units`: the one generic walk that turns a model into units.
 
-Built-in backends are the modules of `gnmr_hf/backends/` (helpers start with `_`): each lists its `Backend`
-declarations in `BACKENDS`, and they are imported the first time a backend is looked up, never by `import
-gnmr_hf`. Their optional libraries (bitsandbytes, torchao) are imported only when a unit is matched. Adding a
-built-in backend is one new file there; an outside one is a `register_backend(Backend(...))` call.
+The built-in backends are listed in `gnmr_hf.backends.builtin_backends` (each module there declares its own in
+`BACKENDS`) and imported the first time a backend is looked up, never by `import gnmr_hf`. Their optional libraries
+(bitsandbytes, torchao) are imported only when a unit is matched. Adding a built-in backend is one new module there
+and one line in that list; an outside one is a `register_backend(Backend(...))` call. The registry is the generic one
+of `gnmr_hf.registry_base`, as the policies' is.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
-import pkgutil
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -21,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from .options import BackendOptions
+from .registry_base import Registry
 from .signals import tuner_layers
 from .units import Backend, DispatchContext, RecoverableUnit, RecoveryLedger, UnitSet, display_name, unwrap_model
 
@@ -28,21 +28,23 @@ __all__ = ["find_units", "get_backend", "known_backends", "register_backend"]
 
 logger = logging.getLogger("gnmr_hf")
 
-_REGISTERED: dict[str, Backend] = {}
 # How many unit names a message lists before it gives only their count.
 _SHOWN = 5
 
 
-@cache
-def _builtin() -> dict[str, Backend]:
-    from . import backends
+def _builtin_backends() -> tuple[Backend, ...]:
+    from .backends import builtin_backends
 
-    found: dict[str, Backend] = {}
-    for info in sorted(pkgutil.iter_modules(backends.__path__), key=lambda m: m.name):
-        if not info.name.startswith("_"):
-            module = importlib.import_module(f"{backends.__name__}.{info.name}")
-            found.update((b.name, b) for b in getattr(module, "BACKENDS", ()))
-    return found
+    return builtin_backends()
+
+
+# Backend names: the built-ins first, in their modules' order, then the registered ones; an unknown name's error lists
+# them without a guess (the command line and the docs quote that message as it is).
+_BACKENDS: Registry[Backend] = Registry(
+    "backend", "backends", _builtin_backends, lambda backend: backend.name, suggest=False, sort_names=False
+)
+# The registered backends by name (a test that registers one removes it here).
+_REGISTERED = _BACKENDS.registered
 
 
 @cache
@@ -56,28 +58,22 @@ def register_backend(backend: Backend) -> Backend:
         raise TypeError(f"register_backend: backend must be a gnmr_hf.Backend, got {type(backend).__name__}")
     if not isinstance(backend.name, str) or not backend.name:
         raise ValueError(f"register_backend: Backend.name must be a non-empty string, got {backend.name!r}")
-    if backend.name in _builtin():
-        raise ValueError(f"register_backend: {backend.name!r} is a built-in backend and cannot be replaced")
     if not callable(backend.unit_for):
         raise TypeError(f"register_backend: Backend.unit_for must be callable, got {backend.unit_for!r}")
     options = backend.options
     if not (isinstance(options, type) and issubclass(options, BackendOptions)):
         raise TypeError(f"register_backend: Backend.options must be a BackendOptions dataclass, got {options!r}")
-    _REGISTERED[backend.name] = backend
-    return backend
+    return _BACKENDS.register(backend)
 
 
 def known_backends() -> tuple[str, ...]:
     """The backend names `find_units` accepts now: the built-in ones, then those registered."""
-    return (*_builtin(), *sorted(_REGISTERED))
+    return tuple(_BACKENDS.names())
 
 
 def get_backend(name: str) -> Backend:
     """The `Backend` called `name`; an unknown name is a `ValueError` listing the known ones."""
-    backend = _REGISTERED.get(name) or _builtin().get(name)
-    if backend is None:
-        raise ValueError(f"unknown backend {name!r}; known backends are {list(known_backends())}")
-    return backend
+    return _BACKENDS.get(name)
 
 
 def _compile(patterns: Iterable[str] | str | None, what: str) -> list[re.Pattern[str]] | None:

@@ -615,7 +615,7 @@ def _keys(kind: str, n: int, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("n", [4097, 20_000])
 @pytest.mark.parametrize("k", [0, 1, 4, 16])
 def test_top_indices_is_exactly_a_stable_descending_argsort(kind, n, k):
-    from gnmr_hf.policy import _SORT_UP_TO, top_indices
+    from gnmr_hf.policies.base import _SORT_UP_TO, top_indices
 
     assert n > _SORT_UP_TO  # the topk path
     key = _keys(kind, n, torch.Generator().manual_seed(n + k))
@@ -623,7 +623,7 @@ def test_top_indices_is_exactly_a_stable_descending_argsort(kind, n, k):
 
 
 def test_decisions_above_the_sort_threshold_are_those_of_the_sort(monkeypatch):
-    import gnmr_hf.policy as policy_module
+    import gnmr_hf.policies.base as policy_module
 
     n = 6000
     stream = random_stream(30, n, seed=3)

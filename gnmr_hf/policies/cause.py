@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..policy import (
+from .base import (
     FIDELITY_ROWS,
     NEVER,
     Choice,

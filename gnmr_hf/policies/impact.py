@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..policy import NEVER, Choice, PolicyOptions, Scores, load_tensor, within_budget
+from .base import NEVER, Choice, PolicyOptions, Scores, load_tensor, within_budget
 from .cause import UnitRelations, _per_family
 from .paper import LockedPolicy
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..policy import Choice, Policy, RelapseLock, Scores, load_tensor, within_budget
+from .base import Choice, Policy, RelapseLock, Scores, load_tensor, within_budget
 
 __all__ = ["LockedPolicy", "PaperPolicy"]
 
