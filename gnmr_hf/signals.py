@@ -311,15 +311,17 @@ class UnitSignals:
         taken = [u.meter.take() if getattr(u, "meter", None) is not None else [] for u in self.units]
         if not any(taken):
             return None
-        loss = unit_losses(taken, self.device)
-        if self.dp_group is not None:
-            # Each rank measured its own micro-batches: average over the ranks that measured, so that every rank
-            # decides the same.
-            seen = ~loss.isnan()
-            both = torch.stack([loss.nan_to_num(0.0), seen.float()])
-            torch.distributed.all_reduce(both, group=self.dp_group)
-            loss = torch.where(both[1] > 0, both[0] / both[1].clamp_min(1.0), torch.nan)
-        return loss
+        return self._mean_over_ranks(unit_losses(taken, self.device))
+
+    def _mean_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Per unit, the mean of `values` ([N], NaN where a rank measured nothing) over the ranks that measured it:
+        each rank measured its own micro-batches, and every rank must decide the same. As it is for one process."""
+        if self.dp_group is None:
+            return values
+        seen = ~values.isnan()
+        both = torch.stack([values.nan_to_num(0.0), seen.float()])
+        torch.distributed.all_reduce(both, group=self.dp_group)
+        return torch.where(both[1] > 0, both[0] / both[1].clamp_min(1.0), torch.nan)
 
     def gather_fidelity(self) -> torch.Tensor | None:
         warn_renamed("UnitSignals.gather_fidelity()", "gather_cheap_loss()")
@@ -338,13 +340,9 @@ class UnitSignals:
         meters = [getattr(u, "impact", None) for u in self.units]
         if not any(m is not None and m.on for m in meters):
             return None
-        value = impacts([m.take() if m is not None else None for m in meters], self.device, scale)
-        if self.dp_group is not None:
-            seen = ~value.isnan()
-            both = torch.stack([value.nan_to_num(0.0), seen.float()])
-            torch.distributed.all_reduce(both, group=self.dp_group)
-            value = torch.where(both[1] > 0, both[0] / both[1].clamp_min(1.0), torch.nan)
-        return value
+        return self._mean_over_ranks(
+            impacts([m.take() if m is not None else None for m in meters], self.device, scale)
+        )
 
     @torch.no_grad()
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
