@@ -69,6 +69,16 @@ def test_ddp_ranks_read_the_same_norms_and_take_the_same_decisions(tiny_llama_di
     zero, one = ranks(tmp_path, "cause_")
     assert all("cheap_loss" in r for r in zero["records"]) and zero["records"] == one["records"]
     assert zero["records"][5]["entered"]
+    # policy="impact": each rank measured every unit's impact on its own data; the averaged vector (finite, every
+    # unit) and the decisions agree, and the budget is spent on the largest.
+    zero, one = ranks(tmp_path, "impact_")
+    assert zero["records"] == one["records"]
+    for record in zero["records"]:
+        impact = record["impact"]
+        assert all(v == v and v > 0 for v in impact)  # measured on every unit, every step
+        assert len(record["active"]) == 2
+    first = zero["records"][0]
+    assert sorted(first["active"]) == sorted(sorted(range(14), key=lambda i: -first["impact"][i])[:2])
 
 
 @pytest.mark.parametrize("backend", ["act_quant", "block_fp", "bf16_cast"])

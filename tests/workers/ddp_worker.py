@@ -9,7 +9,9 @@ gradients (averaged by DDP). `meters`: LoRA on q_proj/v_proj only, so most units
 gradient, which each rank meters on its own data and GNMR sums across ranks. `cause`: as `lora` with
 policy="cause", whose fidelity each rank measures on its own micro-batches and GNMR averages across ranks; it trains
 with LLM.int8(), a GPU's kernel (`llm_int8_in_training`), since bitsandbytes' CPU training kernel rounds no input and
-leaves nothing to measure. Each rank writes the norms it read
+leaves nothing to measure. `impact`: the fp32 model (no LoRA) with block_fp FP4 units under policy="impact", every
+unit measured every step and every one material, so that the budget goes by impact alone: each rank measures on its
+own micro-batches and GNMR averages across ranks. Each rank writes the norms it read
 and its decisions, step by step, to OUT_DIR/{mode}_rank{R}.json; the test compares the ranks.
 """
 
@@ -33,7 +35,12 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
 
     rank = int(os.environ["RANK"])
     targets = ["q_proj", "v_proj"] if mode == "meters" else None
-    model = load_int8_lora(model_dir, target_modules=targets)
+    if mode == "impact":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    else:
+        model = load_int8_lora(model_dir, target_modules=targets)
     if mode == "meters":
         model.enable_input_require_grads()
     data = byte_dataset(write_local_text(os.path.join(out_dir, f"train{rank}.txt"), lines=64))
@@ -41,6 +48,13 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
     # policy="cause" with every measured loss suspect: the spike is blamed on its family's lossiest unit, which only
     # a loss averaged over the ranks makes the same unit on both.
     cause = {"policy": "cause", "policy_options": {"suspect": 1e-6}} if mode == "cause" else {}
+    if mode == "impact":
+        cause = {
+            "policy": "impact",
+            "policy_options": {"min_impact": 1e-12, "every": 1, "rows": 8},
+            "backend": "block_fp",
+            "backend_options": {"low_format": "e2m1", "high_format": "e4m3"},
+        }
     gnmr = GNMRCallback(GNMRConfig(max_active=2, lock_steps=2, window=2, min_history=2, alpha=3.0, beta=3.0, **cause))
 
     records = []
@@ -51,6 +65,8 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
             records.append({"step": state.global_step + 1, "norms": norms.tolist(), "missing": missing.tolist()})
             if gnmr.capture.pending_cheap_loss is not None:
                 records[-1]["cheap_loss"] = gnmr.capture.pending_cheap_loss.tolist()
+            if gnmr.capture.pending_impact is not None:
+                records[-1]["impact"] = gnmr.capture.pending_impact.tolist()
 
         def on_optimizer_step(self, args, state, control, **kwargs):
             d = gnmr.last_decision
@@ -85,7 +101,7 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
 
 def main() -> None:
     model_dir, out_dir = sys.argv[1:3]
-    for mode in ("lora", "meters", "cause"):
+    for mode in ("lora", "meters", "cause", "impact"):
         run(model_dir, out_dir, mode)
     # Tear the process group down before the interpreter does: left to exit, gloo's threads can be destroyed while
     # joinable ("terminate called without an active exception", SIGABRT), seen here about one run in five.
