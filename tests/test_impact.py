@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import TrainerCallback, TrainingArguments
 
-from gnmr_hf import GNMRConfig, GNMRTrainer, find_units, plan
+from gnmr_hf import GNMRCallback, GNMRConfig, GNMRTrainer, find_units, plan
 from gnmr_hf.advise import advise, format_advice
 from gnmr_hf.experiments.faults import inject_fault
 from gnmr_hf.experiments.pretrain import build_model, llama_config
@@ -184,14 +184,22 @@ def test_gradient_checkpointing_measures_each_unit_once_as_without_it(reentrant)
 
 
 class _Plant(TrainerCallback):
-    """After GNMR has built its units (train begin), corrupt FAULTY's cheap path."""
+    """Once GNMR has built its units (train begin), corrupt FAULTY's cheap path: at the first step begin, since a
+    callback rebuilt from a checkpoint (restore_callback_states_from_checkpoint) runs after this one."""
 
     def __init__(self, trainer_ref: list) -> None:
         self.trainer_ref = trainer_ref
+        self.planted = False
 
     def on_train_begin(self, args, state, control, **kwargs):
-        gnmr = self.trainer_ref[0].gnmr
-        inject_fault(next(u for u in gnmr.units if u.name == FAULTY), 30.0, stride=2)
+        self.planted = False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.planted:
+            handler = self.trainer_ref[0].callback_handler
+            gnmr = next(cb for cb in handler.callbacks if isinstance(cb, GNMRCallback))
+            inject_fault(next(u for u in gnmr.units if u.name == FAULTY), 30.0, stride=2)
+            self.planted = True
 
 
 def test_a_trainer_run_holds_the_planted_unit_and_the_others_take_turns_measuring(tmp_path):
@@ -353,3 +361,42 @@ def test_advise_budget_mistakes_are_one_line(tmp_path, capsys, budget, message):
         main(["advise", _impact_trace(tmp_path), "--budget", budget])
     err = capsys.readouterr().err.strip()
     assert done.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(message)
+
+
+@pytest.mark.parametrize("restore_callback_states", [False, True])
+def test_a_resumed_impact_run_measures_and_decides_as_the_uninterrupted_one(tmp_path, restore_callback_states):
+    # The units take turns by the optimizer step and the rows move with it, and the estimates are in the checkpoint:
+    # from a checkpoint at step 4, the resumed run's trace is the uninterrupted run's, step for step.
+    import shutil
+
+    data = [{k: v[i] for k, v in b.items()} for b in batches(8) for i in range(4)]
+    config = GNMRConfig(
+        backend="block_fp", backend_options=OPTIONS, policy="impact", policy_options={"every": 3, "rows": 8},
+        max_active=1, lock_steps=2, min_history=2, window=2,
+    )  # fmt: skip
+
+    def trainer(out, **kwargs):
+        ref: list = []
+        args = TrainingArguments(
+            out, max_steps=8, per_device_train_batch_size=4, use_cpu=True, report_to=[], logging_steps=100,
+            learning_rate=1e-3, disable_tqdm=True, seed=0, **kwargs,
+        )  # fmt: skip
+        made = GNMRTrainer(model=tiny(), args=args, train_dataset=data, gnmr_config=config, callbacks=[_Plant(ref)])
+        ref.append(made)
+        return made
+
+    trainer(tmp_path / "full", save_strategy="no").train()
+    _, full = read_trace(tmp_path / "full" / "gnmr_trace.jsonl")
+    reference = [r for r in full if r["type"] == "step"]
+    run = tmp_path / "run"
+    trainer(run, save_strategy="steps", save_steps=4).train()
+    shutil.rmtree(run / "checkpoint-8")
+    resumed = trainer(
+        run, save_strategy="steps", save_steps=4, restore_callback_states_from_checkpoint=restore_callback_states
+    )
+    resumed.train(resume_from_checkpoint=str(run / "checkpoint-4"))
+    _, records = read_trace(run / "gnmr_trace.jsonl")
+    steps = [r for r in records if r["type"] == "step"]
+    assert [r["step"] for r in steps][-4:] == [5, 6, 7, 8]
+    assert steps[-4:] == reference[4:]
+    assert any(r["impact"]["estimate"] for r in reference[4:]) and any(r["active"] for r in reference[4:])
