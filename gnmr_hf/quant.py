@@ -27,6 +27,7 @@ __all__ = [
     "FloatFormat",
     "QuantizedTensor",
     "absmax_error_bound",
+    "absmax_round_rows",
     "absmax_rows",
     "pack_codes",
     "quantize_absmax",
@@ -34,7 +35,9 @@ __all__ = [
     "quantized_nbytes",
     "random_hadamard",
     "rotate_rows",
+    "round_codes",
     "round_to_format",
+    "tensor_absmax_scale",
     "unpack_codes",
 ]
 
