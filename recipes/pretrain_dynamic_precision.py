@@ -42,17 +42,28 @@ import sys
 from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("block_fp"):
+    from gnmr_hf.backends.block_fp import BLOCK_FP
     from gnmr_hf.experiments.pretrain import parse_recipe_arguments, run_recipe
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
-# The default units: every projection, and the output head, which the backend makes a unit only with
-# quantize_lm_head=true (so the recipe never needs to read the backend's options itself).
+# The default units: every projection, and the output head, which block_fp makes a unit only with
+# quantize_lm_head=true.
 DEFAULT_UNITS = [*PROJECTIONS, r"^lm_head$"]
+
+
+def default_units(backend: str, backend_options: dict) -> list[str]:
+    """The default `include`: without block_fp's quantize_lm_head the head's pattern would match no unit, which
+    find_units rightly warns about, so it is left out then."""
+    if backend == "block_fp" and not BLOCK_FP.parse_options(backend_options).quantize_lm_head:
+        return list(PROJECTIONS)
+    return list(DEFAULT_UNITS)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     args, pretrain, config = parse_recipe_arguments(argv, backend="block_fp", include=DEFAULT_UNITS)
+    if config.include == DEFAULT_UNITS:  # the recipe's default, not a --include given
+        config.include = default_units(config.backend, config.backend_options)
     return run_recipe(args, pretrain, config)
 
 

@@ -108,6 +108,10 @@ def test_the_recipe_adds_lm_head_to_its_default_units_when_quantize_lm_head_is_s
     assert names(head, module.DEFAULT_UNITS) == [*names(head, module.PROJECTIONS), "lm_head"]
     assert len(names(head, module.PROJECTIONS)) == 2 * 7  # an explicit --include is kept as given
     assert names("low_format=e2m1", module.DEFAULT_UNITS) == names(head, module.PROJECTIONS)
+    # Without the head option the default leaves the head's pattern out, so find_units has no unmatched pattern to
+    # warn about.
+    assert module.default_units("block_fp", {"low_format": "e2m1"}) == module.PROJECTIONS
+    assert module.default_units("block_fp", {"quantize_lm_head": "true"}) == module.DEFAULT_UNITS
 
 
 # ------------------------------------------------------------------------------------------ what is rounded how
