@@ -40,9 +40,9 @@ AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the 
 (`gnmr_hf.experiments.pretrain`: preset, arms, seeds, corpus, model size, oracle) and `GNMRConfig` (the
 controller and the
 backend; here `--backend act_quant` and its `--backend_options`, see `gnmr_hf.backends.act_quant`). Without
-`--include`, the units are the q/k/v/o/gate/up/down projections and the attention modules of every layer, and, for
-the kinds that `--backend_options` selects beyond those (`kinds=all`: docs/act_quant.md), every MLP, RMSNorm and the
-head:
+`--include`, the units are the modules of the kinds `--backend_options` selects: the q/k/v/o/gate/up/down projections
+of every layer by default (`kinds=linear`), its attention modules with `attention`, and every MLP, RMSNorm and the
+head with the other kinds (`kinds=all`: docs/act_quant.md):
 
     python recipes/pretrain_actquant.py --preset tiny --output_dir runs/pt_all --arms static_low \
         --backend_options 'kinds=all,low_bits=4'
@@ -59,8 +59,15 @@ with quiet_unused_imports("act_quant"):
     from gnmr_hf.experiments.pretrain import parse_recipe_arguments, run_recipe
 
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$", r"\.self_attn$"]
-# The modules of the other act_quant kinds in a LLaMA, added to the default include when `kinds` selects them.
-KIND_MODULES = {"mlp": r"\.mlp$", "norm": r"norm$", "head": r"^lm_head$"}
+# The modules of each act_quant kind in a LLaMA: the default include is those of the kinds `kinds` selects (a
+# pattern of a kind not selected would match no unit, which find_units warns about).
+KIND_MODULES = {
+    "linear": r"\.(q|k|v|o|gate|up|down)_proj$",
+    "attention": r"\.self_attn$",
+    "mlp": r"\.mlp$",
+    "norm": r"norm$",
+    "head": r"^lm_head$",
+}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -68,7 +75,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args, pretrain, config = parse_recipe_arguments(argv, backend="act_quant", include=PROJECTIONS)
     if config.backend == "act_quant" and not any(a.split("=", 1)[0] == "--include" for a in argv):
         kinds = get_backend("act_quant").parse_options(config.backend_options).kinds
-        config.include = PROJECTIONS + [KIND_MODULES[k] for k in kinds if k in KIND_MODULES]
+        config.include = [KIND_MODULES[k] for k in KIND_MODULES if k in kinds]
     return run_recipe(args, pretrain, config)
 
 
