@@ -18,6 +18,7 @@ events.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -90,6 +91,22 @@ class GNMRCallback(TrainerCallback, ExportableState):
         self.summary_state: dict[str, Any] | None = None
         self.unit_names: list[str] | None = None
         self.unit_fidelity_state: dict[str, Any] | None = None
+        self.step_marks: dict[int, dict[str, Any]] = {}
+
+    def mark_step(self, step: int, **fields: Any) -> None:
+        """Write `fields` on optimizer step `step`'s trace record, under "marks": what the caller knows about that
+        step and GNMR does not, e.g. which data it trained on. `step` is 1-based, as `state.global_step` counts the
+        step once taken; marks given for the same step merge; the values must be JSON values. Call it before the
+        step is taken (before `train()` for a schedule known in advance)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"GNMRCallback.mark_step: step must be an int >= 1 (an optimizer step), got {step!r}")
+        if not fields:
+            raise ValueError("GNMRCallback.mark_step: give at least one field, e.g. mark_step(20, data='repeat')")
+        try:
+            json.dumps(fields)
+        except TypeError as err:
+            raise ValueError(f"GNMRCallback.mark_step: the fields must be JSON values: {err}") from None
+        self.step_marks.setdefault(step, {}).update(fields)
 
     # What the run owns, readable from the callback (None before the first train begin).
     @property
@@ -168,7 +185,15 @@ class GNMRCallback(TrainerCallback, ExportableState):
         with own_lines():
             # A run that fails to start closes what it built: the model is left as it was found.
             self.run = GNMRRun(
-                self.config, self.units, model, args, state, optimizer, zero=zero, restored=self._restored(state)
+                self.config,
+                self.units,
+                model,
+                args,
+                state,
+                optimizer,
+                zero=zero,
+                restored=self._restored(state),
+                marks=self.step_marks,
             )
             self._warn_reporting(args)
 

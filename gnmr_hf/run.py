@@ -66,6 +66,7 @@ class GNMRRun:
         zero: the DeepSpeed ZeRO reader when the Trainer runs under DeepSpeed, else None.
         restored: the exported attributes of a checkpoint to resume from (`GNMRCallback.state()["attributes"]`),
             or None.
+        marks: fields to write on given steps' trace records, under "marks" (`GNMRCallback.mark_step`).
     """
 
     def __init__(
@@ -79,8 +80,10 @@ class GNMRRun:
         *,
         zero: DeepSpeedZero | None = None,
         restored: Mapping[str, Any] | None = None,
+        marks: Mapping[int, Mapping[str, Any]] | None = None,
     ) -> None:
         self.config = config
+        self.marks = marks if marks is not None else {}
         self.units = units
         self.model = model
         self.signals: UnitSignals | None = None
@@ -251,7 +254,7 @@ class GNMRRun:
         self.summary.add(decision.active, decision.entered, decision.exited, decision.risky, decision.left_out)
         self._accumulate(decision)
         if self._trace is not None:
-            self._trace.write(decision, step=step)
+            self._trace.write(decision, step=step, marks=self.marks.get(step))
         if check_history:
             self._warmup_check_step = decision.step
             with own_lines():

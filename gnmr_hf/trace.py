@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,9 +50,12 @@ _OLD_CAUSE_NAMES = {"severity": "cheap_loss"}
 _ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
-def decision_record(decision: HostDecision, step: int | None = None) -> dict[str, Any]:
-    """The JSON-safe trace line for one step (`step`: the Trainer's optimizer step; default the controller's)."""
-    return {
+def decision_record(
+    decision: HostDecision, step: int | None = None, marks: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The JSON-safe trace line for one step (`step`: the Trainer's optimizer step; default the controller's), with
+    the caller's `marks` on it (`GNMRCallback.mark_step`), where given."""
+    record = {
         "type": "step",
         "step": decision.step if step is None else step,
         "t": decision.step,
@@ -70,6 +73,9 @@ def decision_record(decision: HostDecision, step: int | None = None) -> dict[str
         "beta": decision.beta,
         "left_out": decision.left_out.tolist(),
     } | decision.extras
+    if marks:
+        record["marks"] = dict(marks)
+    return record
 
 
 def _json_float(x: float) -> float | str:
@@ -108,9 +114,10 @@ class TraceWriter:
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(_ENCODER.encode(record) + "\n")
 
-    def write(self, decision: HostDecision, step: int | None = None) -> None:
-        """Write one step's decision (`step`: the Trainer's optimizer step; default the controller's)."""
-        self._write(decision_record(decision, step))
+    def write(self, decision: HostDecision, step: int | None = None, marks: Mapping[str, Any] | None = None) -> None:
+        """Write one step's decision (`step`: the Trainer's optimizer step; default the controller's) and the
+        caller's `marks` on it."""
+        self._write(decision_record(decision, step, marks))
         self._maybe_flush()
 
     def write_skip(self, step: int, reason: str) -> None:

@@ -31,6 +31,12 @@ Trainer; `pip install -e '.[stabilizers]'`) run only when named, their own knobs
     python recipes/pretrain_actquant.py --preset tiny --output_dir runs/pt_stab \\
         --arms zclip spam stable_spam adagc skip_step gnmr_cause_zclip
 
+Rare documents go into training on every N-th step with `--anomalies KIND[,KIND...] --anomaly_every N` (the kinds
+and what is replaced: `gnmr_hf.experiments.pretrain.anomalies`; recorded in each `result.json` and the trace):
+
+    python recipes/pretrain_actquant.py --preset tiny --output_dir runs/pt_anomalies --arms static_low gnmr \
+        --anomalies digits,repeat --anomaly_every 4 --logging_steps 1
+
 Without `--arms`, every arm runs that the other flags allow: carve_best only with `--oracle_every`, carve_named only
 with `--carve_named`, the stabilizers only when named. The whole arm list is checked before the first arm trains.
 

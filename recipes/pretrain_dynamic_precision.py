@@ -23,6 +23,15 @@ gnmr_cause_zclip: `gnmr_hf.experiments.stabilizers`, `pip install -e '.[stabiliz
 Without `--arms`, every arm runs that the other flags allow (carve_best only with `--oracle_every`, carve_named only
 with `--carve_named`, the stabilizers only when named); the whole arm list is checked before the first arm trains.
 
+Rare documents, the data that breaks a low-bit path briefly (`gnmr_hf.experiments.pretrain.anomalies`): with
+`--anomalies KIND[,KIND...] --anomaly_every N` every N-th optimizer step trains on one anomalous document (`repeat`,
+`base64`, `digits`, `minified`, taking turns) in place of its batch's first sequence (`--anomaly_scope batch`: all of
+them), the same in every arm of a seed. The steps and kinds are in each `result.json` and on the trace's step records
+(`marks`); `--logging_steps 1` keeps every step's loss:
+
+    python recipes/pretrain_dynamic_precision.py --preset tiny --output_dir runs/dp_anomalies \
+        --arms static_low gnmr_impact --anomalies repeat,base64,digits,minified --anomaly_every 5 --logging_steps 1
+
 Flags: `TrainingArguments` (the preset fills every one not given: steps, batch, learning rate, warm-up, evaluation;
 AdamW 0.9/0.95 without weight decay, cosine decay, clipping at 1.0, fp32 on the CPU),
 `PretrainArguments`

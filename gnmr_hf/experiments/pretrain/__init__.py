@@ -6,6 +6,8 @@ A precision claim needs every arm to see the same model initialization, the same
 same code path, and differ only in precision policy. This package provides exactly that, offline, one concern per
 file, in the order a run uses them:
 
+- `anomalies.py`: anomalous documents put into training on a schedule (`AnomalySchedule`, `AnomalousBlocks`:
+  `--anomalies repeat,base64,digits,minified --anomaly_every N`), the same in every arm.
 - `data.py`: the corpus (`load_corpus`: the Python standard library's sources by default, split by document), the
   byte tokenizer (`ByteTokenizer`) and the fixed batch order (`block_dataset`), the same in every arm.
 - `model.py`: the model (`llama_config`, `build_model`: transformers' `LlamaForCausalLM`, seeded; or a real
@@ -26,9 +28,10 @@ Everything is importable from `gnmr_hf.experiments.pretrain` itself, as recipes,
 
 from __future__ import annotations
 
+from .anomalies import ANOMALY_KINDS, AnomalousBlocks, AnomalySchedule, anomalous_text
 from .arguments import PRESETS, PretrainArguments, training_arguments
 from .arms import ARMS, BUDGET_ARMS, arm_callbacks
-from .data import ByteTokenizer, Corpus, block_dataset, load_corpus, retokenize
+from .data import ByteTokenizer, Corpus, block_dataset, load_corpus, retokenize, text_codec
 from .meters import SavedTensorMeter, StepMeter
 from .model import build_model, llama_config, recipe_model
 from .plot import plot_loss_curves
@@ -37,14 +40,18 @@ from .runner import check_arm_plan, gnmr_budget, oracle_mean_gaps, run_arm, run_
 from .table import load_results, results_table
 
 __all__ = [
+    "ANOMALY_KINDS",
     "ARMS",
     "BUDGET_ARMS",
     "PRESETS",
+    "AnomalousBlocks",
+    "AnomalySchedule",
     "ByteTokenizer",
     "Corpus",
     "PretrainArguments",
     "SavedTensorMeter",
     "StepMeter",
+    "anomalous_text",
     "arm_callbacks",
     "benchmark_arguments",
     "benchmark_parser",
@@ -64,6 +71,7 @@ __all__ = [
     "run_arm",
     "run_comparison",
     "run_recipe",
+    "text_codec",
     "training_arguments",
     "unit_names",
     "write_report",

@@ -17,6 +17,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from ..stabilizers import STABILIZER_ARMS, missing_package, parse_options
+from .anomalies import AnomalySchedule
 from .arms import ARMS
 
 __all__ = ["PRESETS", "PretrainArguments", "training_arguments"]
@@ -151,7 +152,30 @@ class PretrainArguments:
             "'update_proj_gap=100' for spam): a tuned setting (gnmr_hf.experiments.stabilizers)."
         },
     )
+    anomalies: str = field(
+        default="",
+        metadata={
+            "help": "Anomalous documents in training, comma-separated kinds from "
+            "gnmr_hf.experiments.pretrain.anomalies (repeat, base64, digits, minified): one on every "
+            "--anomaly_every-th optimizer step, the kinds taking turns; recorded in result.json and the trace."
+        },
+    )
+    anomaly_every: int | None = field(
+        default=None,
+        metadata={"help": "With --anomalies: every N-th optimizer step trains on an anomalous document (default 20)."},
+    )
+    anomaly_scope: str = field(
+        default="sequence",
+        metadata={"help": "With --anomalies: 'sequence' (the step's first sequence) or 'batch' (all of them)."},
+    )
     plot: bool = field(default=True, metadata={"help": "Write loss_curves.png beside results.md."})
+
+    def anomaly_schedule(self) -> AnomalySchedule | None:
+        """The anomalies' schedule, or None without --anomalies."""
+        if not self.anomalies:
+            return None
+        every = 20 if self.anomaly_every is None else self.anomaly_every
+        return AnomalySchedule.parse(self.anomalies, every, self.anomaly_scope)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -182,6 +206,11 @@ class PretrainArguments:
             raise ValueError("PretrainArguments.oracle_benefits needs --oracle_every K > 0 (the probes it adds to)")
         if "carve_named" in self.arms and not self.carve_named:
             raise ValueError("arm carve_named needs --carve_named REGEX ... (the units it keeps on the recovery path)")
+        if self.anomalies:
+            self.anomaly_schedule()
+        elif self.anomaly_every is not None or self.anomaly_scope != "sequence":
+            flag = "--anomaly_every" if self.anomaly_every is not None else "--anomaly_scope"
+            raise ValueError(f"{flag} needs --anomalies KIND[,KIND...] (the documents it schedules)")
         parse_options(self.stabilizer_options)
         if self.impact_options:
             from ...policies.impact import ImpactOptions

@@ -18,13 +18,13 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["ByteTokenizer", "Corpus", "block_dataset", "load_corpus", "retokenize"]
+__all__ = ["ByteTokenizer", "Corpus", "block_dataset", "load_corpus", "retokenize", "text_codec"]
 
 
 class ByteTokenizer:
@@ -146,18 +146,36 @@ def block_dataset(tokens: torch.Tensor, seq_len: int, count: int, seed: int | No
     return _Blocks(tokens, seq_len, index * seq_len)
 
 
-def retokenize(corpus: Corpus, model: str) -> Corpus:
-    """`corpus` in the tokens of the real model `model`'s tokenizer (int32), for `--model`; as it is for scratch."""
+def text_codec(model: str) -> tuple[Callable[[str], torch.Tensor], Callable[[torch.Tensor], str]]:
+    """(encode, decode) between text and the token ids a run of `model` trains on: bytes for "scratch"
+    (`ByteTokenizer`), the real model's own tokenizer otherwise (int32 ids, as `retokenize` makes them)."""
     if model == "scratch":
-        return corpus
+        tokenizer = ByteTokenizer()
+        return tokenizer.encode, tokenizer.decode
     from transformers import AutoTokenizer
 
     from ..models import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    real = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+
+    def encode(text: str) -> torch.Tensor:
+        return torch.tensor(real(text).input_ids, dtype=torch.int32)
+
+    def decode(ids: torch.Tensor) -> str:
+        return real.decode(ids.tolist())
+
+    return encode, decode
+
+
+def retokenize(corpus: Corpus, model: str) -> Corpus:
+    """`corpus` in the tokens of the real model `model`'s tokenizer (int32), for `--model`; as it is for scratch."""
+    if model == "scratch":
+        return corpus
+    encode, _ = text_codec(model)
     decode = ByteTokenizer().decode
-
-    def ids(split: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(tokenizer(decode(split)).input_ids, dtype=torch.int32)
-
-    return Corpus(ids(corpus.train), ids(corpus.validation), f"{corpus.source} ({model} tokens)", corpus.documents)
+    return Corpus(
+        encode(decode(corpus.train)),
+        encode(decode(corpus.validation)),
+        f"{corpus.source} ({model} tokens)",
+        corpus.documents,
+    )

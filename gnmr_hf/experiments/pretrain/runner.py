@@ -28,9 +28,10 @@ from ...config import GNMRConfig
 from ...trace import read_trace
 from ..baselines import best_static_units
 from ..stabilizers import STABILIZER_ARMS, parse_options, stabilizer_for
+from .anomalies import AnomalousBlocks
 from .arguments import PretrainArguments
 from .arms import BUDGET_ARMS, arm_callbacks
-from .data import Corpus, block_dataset
+from .data import Corpus, block_dataset, text_codec
 from .meters import StepMeter
 from .model import recipe_model
 
@@ -70,6 +71,20 @@ def run_arm(
     default_data_seed = 0 if pretrain.model == "scratch" else seed
     data_seed = args.data_seed if args.data_seed is not None else default_data_seed
     train = block_dataset(corpus.train, pretrain.seq_len, args.max_steps * batch, data_seed)
+    anomalies = pretrain.anomaly_schedule()
+    if anomalies is not None:
+        encode, decode = text_codec(pretrain.model)
+        train = AnomalousBlocks(
+            train,
+            anomalies,
+            batch=batch,
+            seq_len=pretrain.seq_len,
+            max_steps=args.max_steps,
+            seed=data_seed,
+            encode=encode,
+            decode=decode,
+            tokens=corpus.train,
+        )
     validation = block_dataset(corpus.validation, pretrain.seq_len, pretrain.eval_blocks, None)
     callbacks = arm_callbacks(
         arm,
@@ -81,6 +96,9 @@ def run_arm(
         impact_options=pretrain.impact_options,
     )
     owner = next((cb for cb in callbacks if isinstance(cb, GNMRCallback)), None)
+    if owner is not None and anomalies is not None:
+        for step, kind in anomalies.steps(args.max_steps):
+            owner.mark_step(step, anomaly=kind)
     if owner is not None and pretrain.oracle_every and arm.startswith("gnmr"):
         callbacks.append(
             OracleCallback(owner, train, batch, every=pretrain.oracle_every, benefits=pretrain.oracle_benefits)
@@ -123,6 +141,8 @@ def run_arm(
         "wall_seconds": wall,
         "saved_bytes_per_step": statistics.fmean(meter.saved_bytes) if meter.saved_bytes else math.nan,
     }
+    if anomalies is not None:
+        result["anomalies"] = anomalies.record(args.max_steps)
     if owner is not None:
         result.update(_trace_facts(out / config.trace_file, owner))
     if stabilizer is not None:

@@ -1,0 +1,162 @@
+"""Anomalous documents in training (`--anomalies`, `--anomaly_every`): each kind, determinism, where they go, what
+is recorded, and the flags' bad input."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from typing import Any
+
+import pytest
+import torch
+
+from gnmr_hf import GNMRCallback
+from gnmr_hf.experiments.pretrain import (
+    ANOMALY_KINDS,
+    AnomalousBlocks,
+    AnomalySchedule,
+    ByteTokenizer,
+    anomalous_text,
+    block_dataset,
+)
+from gnmr_hf.trace import read_trace
+
+from trainer_utils import load_recipe
+
+SOURCE = "def f(x, y):\n    return x + y  # add\n\n\nclass A:\n    pass\n" * 40
+
+
+def test_the_schedule_puts_one_kind_on_every_nth_step_in_turn():
+    schedule = AnomalySchedule.parse("repeat, digits", 5)
+    assert schedule.steps(22) == [(5, "repeat"), (10, "digits"), (15, "repeat"), (20, "digits")]
+    assert schedule.record(12) == {"kinds": ["repeat", "digits"], "every": 5, "scope": "sequence",
+                                   "steps": [[5, "repeat"], [10, "digits"]]}  # fmt: skip
+    assert AnomalySchedule.parse("base64", 1).steps(3) == [(1, "base64"), (2, "base64"), (3, "base64")]
+
+
+def test_each_kind_is_what_it_says():
+    g = torch.Generator().manual_seed(0)
+    repeat = anomalous_text("repeat", 300, g)
+    assert len(repeat) == 300 and len(set(repeat)) == 1
+    blob = anomalous_text("base64", 300, g)
+    assert len(blob) == 300 and re.fullmatch(r"[A-Za-z0-9+/]+", blob)
+    base64.b64decode(blob[:296])  # valid base64, cut at a 4-character boundary
+    digits = anomalous_text("digits", 300, g)
+    assert len(digits) == 300 and digits.isdigit() and len(set(digits)) == 10
+    minified = anomalous_text("minified", 0, g, SOURCE)
+    assert "\n" not in minified and "  " not in minified
+    assert "def f(x,y):return x+y#add class A:pass" in minified  # no space beside punctuation, words kept apart
+    with pytest.raises(ValueError, match="kind must be one of"):
+        anomalous_text("emoji", 10, g)
+
+
+def test_the_documents_depend_on_the_seed_and_step_alone():
+    def text(seed: int) -> list[str]:
+        g = torch.Generator().manual_seed(seed)
+        return [anomalous_text(k, 64, g, SOURCE) for k in ANOMALY_KINDS]
+
+    assert text(3) == text(3)
+    assert text(3)[:3] != text(4)[:3]
+
+
+def _blocks(scope: str = "sequence", seed: int = 0, batch: int = 4) -> tuple[AnomalousBlocks, Any]:
+    tokens = ByteTokenizer().encode(SOURCE * 4)
+    clean = block_dataset(tokens, 32, 12 * batch, seed=0)
+    tokenizer = ByteTokenizer()
+    schedule = AnomalySchedule.parse("repeat,base64,digits,minified", 3, scope)
+    blocks = AnomalousBlocks(
+        clean, schedule, batch=batch, seq_len=32, max_steps=12, seed=seed,
+        encode=tokenizer.encode, decode=tokenizer.decode, tokens=tokens,
+    )  # fmt: skip
+    return blocks, clean
+
+
+def test_one_sequence_of_each_anomalous_step_is_replaced_and_nothing_else():
+    blocks, clean = _blocks()
+    # Steps 3, 6, 9, 12 (1-based); the Trainer reads 4 sequences per step in order: the first of each is replaced.
+    assert blocks.kinds == {8: "repeat", 20: "base64", 32: "digits", 44: "minified"}
+    assert len(blocks) == len(clean) == 48
+    for i in range(48):
+        item = blocks[i]
+        assert item["input_ids"].dtype == torch.long and item["input_ids"].shape == (32,)
+        assert torch.equal(item["input_ids"], item["labels"])  # trained on like any sequence
+        assert torch.equal(item["input_ids"], clean[i]["input_ids"]) == (i not in blocks.kinds)
+    assert len(set(blocks[8]["input_ids"].tolist())) == 1
+    assert bytes(blocks[32]["input_ids"].tolist()).isdigit()
+
+
+def test_batch_scope_replaces_every_sequence_of_the_step():
+    blocks, _ = _blocks("batch")
+    assert sorted(blocks.kinds) == [8, 9, 10, 11, 20, 21, 22, 23, 32, 33, 34, 35, 44, 45, 46, 47]
+    assert blocks[20]["input_ids"].tolist() != blocks[21]["input_ids"].tolist()  # each its own document
+
+
+def test_every_arm_of_a_seed_gets_the_same_anomalies_and_another_seed_others():
+    a, _ = _blocks(seed=0)
+    b, _ = _blocks(seed=0)
+    c, _ = _blocks(seed=1)
+    assert all(torch.equal(a[i]["input_ids"], b[i]["input_ids"]) for i in a.kinds)
+    assert not torch.equal(a[20]["input_ids"], c[20]["input_ids"])
+
+
+def test_the_recipe_trains_on_them_and_records_them_in_the_result_and_the_trace(tmp_path):
+    out = tmp_path / "run"
+    load_recipe("pretrain_actquant").main(
+        ["--preset", "tiny", "--output_dir", str(out), "--arms", "static_low", "gnmr", "--anomalies", "digits,repeat",
+         "--anomaly_every", "7", "--logging_steps", "1", "--plot", "false"]
+    )  # fmt: skip
+    for arm in ("static_low", "gnmr"):
+        result = json.loads((out / arm / "seed0" / "result.json").read_text())
+        assert result["anomalies"] == {
+            "kinds": ["digits", "repeat"], "every": 7, "scope": "sequence", "steps": [[7, "digits"], [14, "repeat"]]
+        }  # fmt: skip
+        assert [s for s, _ in result["train_loss"]] == list(range(1, 21))
+    _, records = read_trace(out / "gnmr" / "seed0")
+    marks = {r["step"]: r["marks"] for r in records if "marks" in r}
+    assert marks == {7: {"anomaly": "digits"}, 14: {"anomaly": "repeat"}}
+
+
+def test_without_anomalies_nothing_changes(tmp_path):
+    out = tmp_path / "run"
+    load_recipe("pretrain_actquant").main(
+        ["--preset", "tiny", "--output_dir", str(out), "--arms", "gnmr", "--max_steps", "4", "--plot", "false"]
+    )
+    result = json.loads((out / "gnmr" / "seed0" / "result.json").read_text())
+    assert "anomalies" not in result
+    _, records = read_trace(out / "gnmr" / "seed0")
+    assert not any("marks" in r for r in records)
+
+
+@pytest.mark.parametrize("name", ["pretrain_actquant", "pretrain_dynamic_precision"])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--anomalies", "repeat,emoji"), "--anomalies: 'emoji' is not an anomaly kind; choose from repeat, base64"),
+        (("--anomalies", "repeat", "--anomaly_every", "0"), "--anomaly_every must be an int >= 1"),
+        (("--anomalies", "repeat", "--anomaly_every", "-3"), "--anomaly_every must be an int >= 1"),
+        (("--anomalies", ","), "--anomalies: give at least one kind"),
+        (("--anomaly_every", "5"), "--anomaly_every needs --anomalies"),
+        (("--anomalies", "digits", "--anomaly_scope", "document"), "--anomaly_scope must be one of sequence, batch"),
+    ],
+)
+def test_bad_anomaly_flags_exit_with_one_line(name, argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_recipe(name).main(["--preset", "tiny", "--output_dir", str(tmp_path / "run"), *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_mark_step_refuses_what_it_cannot_write():
+    callback = GNMRCallback(backend="act_quant")
+    callback.mark_step(3, data="repeat")
+    callback.mark_step(3, source="web")
+    assert callback.step_marks == {3: {"data": "repeat", "source": "web"}}
+    with pytest.raises(ValueError, match="step must be an int >= 1"):
+        callback.mark_step(0, data="x")
+    with pytest.raises(ValueError, match="at least one field"):
+        callback.mark_step(2)
+    with pytest.raises(ValueError, match="JSON values"):
+        callback.mark_step(2, data=object())
