@@ -160,3 +160,45 @@ def test_mark_step_refuses_what_it_cannot_write():
         callback.mark_step(2)
     with pytest.raises(ValueError, match="JSON values"):
         callback.mark_step(2, data=object())
+
+
+def test_the_analysis_finds_the_anomalous_steps_and_what_broke_on_them(tmp_path, capsys):
+    from trainer_utils import load_script
+
+    common = ["--preset", "tiny", "--max_steps", "36", "--eval_steps", "36", "--plot", "false", "--logging_steps", "1",
+              "--backend_options", "low_format=e2m1,high_format=e4m3", "--anomalies", "repeat,digits",
+              "--anomaly_every", "9"]  # fmt: skip
+    recipe = load_recipe("pretrain_dynamic_precision")
+    recipe.main([*common, "--output_dir", str(tmp_path / "diag"), "--arms", "gnmr_impact", "--monitor_only", "true",
+                 "--trace_top_k", "64", "--impact_options", "every=1", "--oracle_every", "3"])  # fmt: skip
+    recipe.main([*common, "--output_dir", str(tmp_path / "high"), "--arms", "static_high"])
+    analysis = load_script("benchmarks/anomaly_analysis.py")
+    out = tmp_path / "report.json"
+    report = analysis.main(
+        [str(tmp_path / "diag" / "gnmr_impact" / "seed0"), "--high", str(tmp_path / "high" / "static_high" / "seed0"),
+         "--skip", "4", "--ratio", "2", "--out", str(out)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert [(r["step"], r["kind"]) for r in report["steps"]] == [(9, "repeat"), (18, "digits"), (27, "repeat"),
+                                                                 (36, "digits")]  # fmt: skip
+    # Clean: past step 4, not anomalous, not within 4 steps after one.
+    assert report["clean_steps"] == len([s for s in range(5, 37) if s % 9 and (s % 9) > 4])
+    for row in report["steps"]:
+        assert len(row["top_impact"]) == 5 and row["impact_total"] > 0 and "cheap_path_loss" in row
+        assert set(row["broken"]) <= {name for name, _, _ in row["top_impact"]}
+        assert all(1 <= n <= 5 for n in row["broken_for"].values())
+    assert set(report["kinds"]) == {"repeat", "digits"} and report["kinds"]["repeat"]["occurrences"] == 2
+    assert set(report["oracle"]["gap_total_ratio_by_kind"]) == {"repeat", "digits"}
+    assert "| repeat | 2 |" in capsys.readouterr().out
+
+
+def test_the_analysis_refuses_a_run_it_cannot_read(tmp_path):
+    from trainer_utils import load_script
+
+    analysis = load_script("benchmarks/anomaly_analysis.py")
+    with pytest.raises(SystemExit) as exit_info:
+        analysis.main([str(tmp_path)])
+    assert exit_info.value.code == 2
+    (tmp_path / "result.json").write_text(json.dumps({"arm": "static_low", "max_steps": 4, "train_loss": []}))
+    with pytest.raises(SystemExit, match="has no anomalies"):
+        analysis.main([str(tmp_path)])

@@ -122,6 +122,17 @@ def load_recipe(name: str) -> ModuleType:
     return module
 
 
+@functools.cache
+def load_script(path: str) -> ModuleType:
+    """A script of the repository (e.g. "benchmarks/anomaly_analysis.py") as a module, loaded once per session."""
+    name = "gnmr_script_" + Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, RECIPES.parent / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 # ------------------------------------------------------------------------------------ backend test helpers
 
 
