@@ -28,10 +28,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from gnmr_hf.commandline import quiet_unused_imports
 
-from gnmr_hf.experiments.oracle import read_oracle
-from gnmr_hf.trace import read_trace
+with quiet_unused_imports():
+    import numpy as np
+
+    from gnmr_hf.experiments.oracle import read_oracle
+    from gnmr_hf.trace import read_trace
 
 AFTER = 4  # steps after an anomaly that are neither anomalous nor clean, where a break may last
 
