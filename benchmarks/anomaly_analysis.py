@@ -16,7 +16,8 @@ Clean steps are those past GNMR's warm-up (`--skip` first steps), not anomalous 
 anomaly. Run it on the monitor-only diagnostic arm of docs/lab/anomalies.md:
 
     python benchmarks/anomaly_analysis.py runs/anomalies/fp4/diag/gnmr_impact/seed0 \\
-        --high runs/anomalies/fp4/high/static_high/seed0 --out runs/anomalies/fp4/diag_s0.json
+        --high runs/anomalies/fp4/high/static_high/seed0 --out runs/anomalies/fp4/diag_s0.json \\
+        --plot runs/anomalies/fp4/diag_s0.png
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ with quiet_unused_imports():
     import numpy as np
 
     from gnmr_hf.experiments.oracle import read_oracle
+    from gnmr_hf.experiments.pretrain.anomalies import ANOMALY_KINDS
     from gnmr_hf.trace import read_trace
 
 AFTER = 4  # steps after an anomaly that are neither anomalous nor clean, where a break may last
@@ -155,6 +157,18 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
                 r["cheap_path_loss"] for r in rows if "cheap_path_loss" in r
             )
 
+    # Per step, for the figure: the losses, the summed impact, the units on (or, monitor-only, chosen for) the
+    # recovery path, and GNMR's largest norm-to-mean ratio.
+    by_step = {int(r["step"]): r for r in records if r.get("type") == "step"}
+    series = {
+        "step": sorted(losses),
+        "loss": [losses[s] for s in sorted(losses)],
+        "high_loss": [high_losses.get(s) for s in sorted(losses)] if high_losses else None,
+        "impact_total": [float(np.nansum(impact[s])) if s in impact else None for s in sorted(losses)],
+        "active": [len(by_step[s]["active"]) if s in by_step else None for s in sorted(losses)],
+        "max_risk": [by_step[s].get("max_risk") if s in by_step else None for s in sorted(losses)],
+    }
+
     report: dict[str, Any] = {
         "run": str(run),
         "arm": result["arm"],
@@ -171,6 +185,8 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
         "ratio": ratio,
         "kinds": kinds,
         "steps": steps,
+        "anomalies": [[s, k] for s, k in sorted(anomalies.items())],
+        "series": series,
     }
     oracle = run / "oracle.jsonl"
     if oracle.is_file():
@@ -227,6 +243,45 @@ def _markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict[str, Any], out: Path) -> None:
+    """The loss (the run's and, with --high, static high's), the summed impact and GNMR's largest ratio over the steps,
+    and the units on the recovery path, with each anomalous step marked by its kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = report["series"]
+    steps = series["step"]
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(7.5, 7.0), sharex=True)
+    top.plot(steps, series["loss"], linewidth=0.9, label=f"{report['arm']} (cheap path)")
+    if series["high_loss"]:
+        top.plot(steps, series["high_loss"], linewidth=0.9, label="static high")
+    top.set_ylabel("training loss (nats/token)")
+    impact = [np.nan if v is None else v for v in series["impact_total"]]
+    middle.semilogy(steps, impact, linewidth=0.9, color="tab:green", label="summed impact (nats/token)")
+    risk = [np.nan if v in (None, "inf") else v for v in series["max_risk"]]
+    middle.semilogy(steps, risk, linewidth=0.9, color="tab:red", label="GNMR's largest ratio")
+    middle.set_ylabel("per step")
+    bottom.step(steps, [np.nan if v is None else v for v in series["active"]], where="mid", color="tab:purple")
+    bottom.set_ylabel("units in recovery")
+    bottom.set_xlabel("optimizer step")
+    colours = dict(zip(ANOMALY_KINDS, ("tab:orange", "tab:blue", "tab:brown", "tab:olive"), strict=True))
+    seen = set()
+    for step, kind in report["anomalies"]:
+        for ax in (top, middle, bottom):
+            ax.axvline(step, color=colours.get(kind, "grey"), alpha=0.35, linewidth=1.0,
+                       label=kind if ax is top and kind not in seen else None)  # fmt: skip
+        seen.add(kind)
+    top.legend(fontsize=7, ncol=3)
+    middle.legend(fontsize=7)
+    top.set_title(f"{report['arm']}, seed {report['seed']}: anomalous steps marked")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="an arm's run folder (result.json, trace, oracle.jsonl)")
@@ -234,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ratio", type=float, default=4.0, help="impact / clean median at which a unit breaks")
     parser.add_argument("--skip", type=int, default=12, help="first steps left out (GNMR's warm-up)")
     parser.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
+    parser.add_argument("--plot", type=Path, default=None, help="draw the steps' figure here (needs matplotlib)")
     cli = parser.parse_args(argv)
     for flag, path in (("run", cli.run), ("--high", cli.high)):
         if path is not None and not (path / "result.json").is_file():
@@ -245,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if cli.out is not None:
         cli.out.parent.mkdir(parents=True, exist_ok=True)
         cli.out.write_text(json.dumps(report, indent=1))
+    if cli.plot is not None:
+        plot(report, cli.plot)
     return report
 
 

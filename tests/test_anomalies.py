@@ -176,8 +176,11 @@ def test_the_analysis_finds_the_anomalous_steps_and_what_broke_on_them(tmp_path,
     out = tmp_path / "report.json"
     report = analysis.main(
         [str(tmp_path / "diag" / "gnmr_impact" / "seed0"), "--high", str(tmp_path / "high" / "static_high" / "seed0"),
-         "--skip", "4", "--ratio", "2", "--out", str(out)]
+         "--skip", "4", "--ratio", "2", "--out", str(out), "--plot", str(tmp_path / "steps.png")]
     )  # fmt: skip
+    assert (tmp_path / "steps.png").stat().st_size > 10_000
+    assert report["series"]["step"] == list(range(1, 37)) and len(report["series"]["active"]) == 36
+    assert report["anomalies"] == [[9, "repeat"], [18, "digits"], [27, "repeat"], [36, "digits"]]
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert [(r["step"], r["kind"]) for r in report["steps"]] == [(9, "repeat"), (18, "digits"), (27, "repeat"),
                                                                  (36, "digits")]  # fmt: skip
