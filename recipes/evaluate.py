@@ -3,6 +3,7 @@
     python recipes/evaluate.py --model runs/gnmr --tasks mmlu,hellaswag --output_dir runs/gnmr/eval
     python recipes/evaluate.py --model meta-llama/Llama-2-13b-hf --adapter runs/int8 --load_in_8bit \\
         --output_dir runs/int8/eval
+    python recipes/evaluate.py --model runs/int8 --int8_eval fp32 --output_dir runs/int8/eval_fp32
     python recipes/evaluate.py --compare runs/int8/eval runs/gnmr/eval runs/bf16/eval --names int8 gnmr bf16 \\
         --output_dir runs/compare
 
@@ -37,6 +38,15 @@ class EvaluateArguments:
         default=None,
         metadata={
             "help": "Load the base model in 8-bit with bitsandbytes (default: as a fine-tune's gnmr_run.json says)."
+        },
+    )
+    int8_eval: str = field(
+        default="bnb",
+        metadata={
+            "help": "With an 8-bit base: bnb (bitsandbytes' own INT8 inference, LLM.int8()), or fp32 / bf16 (its INT8 "
+            "weights de-quantized, the adapter merged: the same weights at the plain model's speed, without the "
+            "inputs' INT8 rounding; docs/evaluation.md).",
+            "choices": ["bnb", "fp32", "bf16"],
         },
     )
     tasks: str = field(default="mmlu,hellaswag", metadata={"help": "Comma-separated lm-eval task names."})
@@ -108,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.model,
                 adapter=args.adapter,
                 load_in_8bit=args.load_in_8bit,
+                int8_eval=args.int8_eval,
                 tasks=args.tasks,
                 num_fewshot=args.num_fewshot,
                 limit=int(limit) if limit is not None and limit >= 1 else limit,

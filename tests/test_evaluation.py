@@ -354,6 +354,52 @@ def test_load_in_8bit_on_cpu(tiny_dir, task_manager):
     assert math.isfinite(results["results"][PERPLEXITY_TASK]["bits_per_byte,none"])
 
 
+def test_int8_eval_dequantized_runs_the_int8_weights_with_the_adapter_merged(tiny_dir, adapter_run, task_manager):
+    import bitsandbytes.functional as bnb_functional
+    from bitsandbytes.nn import Linear8bitLt
+
+    from gnmr_hf.backends.bnb import _int8_scales
+
+    source = dataclasses.replace(resolve_model_source(str(tiny_dir)), llm_int8_threshold=0.0)
+    int8, _ = load_model(source, load_in_8bit=True, device="cpu")
+    plain, _ = load_model(source, load_in_8bit=True, device="cpu", int8_eval="fp32")
+    layers = {n: m for n, m in int8.named_modules() if isinstance(m, Linear8bitLt)}
+    assert layers and not any(isinstance(m, Linear8bitLt) for m in plain.modules())
+    for name, layer in layers.items():
+        # The de-quantized weight is bitsandbytes' own de-quantization of the INT8 codes the 8-bit layer holds.
+        expected = bnb_functional.int8_vectorwise_dequant(layer.weight.data, _int8_scales(layer))
+        assert torch.equal(plain.get_submodule(name).weight, expected.float())
+    assert all(p.dtype == torch.float32 for p in plain.parameters())
+    assert getattr(plain.config, "quantization_config", None) is None and not getattr(plain, "is_loaded_in_8bit", 0)
+    # What it leaves out is LLM.int8()'s input rounding: close to bitsandbytes' own 8-bit inference, not equal.
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact, rounded = plain(ids).logits, int8(ids).logits.float()
+    assert not torch.equal(exact, rounded)
+    assert (exact - rounded).norm() / exact.norm() < 0.05
+    # With an adapter: merged into the de-quantized weights, the same as the adapter applied unmerged on them.
+    from peft import PeftModel
+
+    tuned, _ = load_model(dataclasses.replace(source, adapter=str(adapter_run)), load_in_8bit=True, device="cpu",
+                          int8_eval="fp32")  # fmt: skip
+    assert not isinstance(tuned, PeftModel) and not any("lora" in n for n, _ in tuned.named_parameters())
+    unmerged = PeftModel.from_pretrained(plain, str(adapter_run)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(ids).logits, unmerged(ids).logits, rtol=1e-5, atol=1e-5)
+    bf16, _ = load_model(source, load_in_8bit=True, device="cpu", int8_eval="bf16")
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    results = _perplexity(str(tiny_dir), load_in_8bit=True, int8_eval="fp32", task_manager=task_manager)
+    assert results["metadata"]["int8_eval"] == "fp32"
+    assert math.isfinite(results["results"][PERPLEXITY_TASK]["bits_per_byte,none"])
+
+
+def test_int8_eval_refuses_a_base_that_is_not_8bit_and_an_unknown_mode(tiny_dir):
+    with pytest.raises(ValueError, match=r"int8_eval='fp32' de-quantizes an 8-bit base: it needs load_in_8bit"):
+        evaluate_model(str(tiny_dir), tasks=PERPLEXITY_TASK, int8_eval="fp32", device="cpu")
+    with pytest.raises(ValueError, match=r"int8_eval='fp16': choose from bnb, fp32, bf16"):
+        evaluate_model(str(tiny_dir), tasks=PERPLEXITY_TASK, load_in_8bit=True, int8_eval="fp16", device="cpu")
+
+
 def test_results_files_keep_lm_eval_metric_keys(baseline, baseline_dir):
     results_json = baseline_dir / "results.json"
     saved = json.loads(results_json.read_text())
@@ -417,6 +463,9 @@ def test_cli_reports_errors_with_the_flag(tmp_path, capsys):
         capsys.readouterr().err
         == "error: --model is required (or --compare DIR ... to compare finished evaluations)\n"
     )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", str(tmp_path), "--int8_eval", "fp16", "--output_dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and "--int8_eval" in capsys.readouterr().err
 
 
 def test_a_hub_model_offline_fails_at_once_and_load_in_8bit_is_a_bare_flag(adapter_run, tmp_path):
@@ -479,3 +528,21 @@ def test_cli_runs_end_to_end(tiny_dir, user_tasks, tmp_path):
     )
     assert compare == 0
     assert f"| {MMLU_GROUP} | acc,none |" in (tmp_path / "comparison.md").read_text()
+
+
+def test_the_int8_eval_benchmark_compares_the_modes_on_the_same_questions(tmp_path, capsys):
+    from trainer_utils import load_script
+
+    bench = load_script("benchmarks/int8_eval.py")
+    report = bench.main(["--model", "tiny", "--limit", "1", "--subjects", "2", "--num_fewshot", "1",
+                         "--out", str(tmp_path / "r.json")])  # fmt: skip
+    assert json.loads((tmp_path / "r.json").read_text()) == json.loads(json.dumps(report))
+    bnb, fp32 = report["modes"]["bnb"], report["modes"]["fp32"]
+    assert bnb["questions"] == fp32["questions"] == 2 and bnb["requests"] == fp32["requests"] == 8
+    against = fp32["against_bnb"]
+    assert 0 < against["mean_abs_ll_diff"] <= against["max_abs_ll_diff"] < 0.1  # the inputs' INT8 rounding only
+    assert report["subjects"] == ["abstract_algebra", "anatomy"] and report["threshold"] == 6.0
+    assert "fp32: 2 questions, 8 requests" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--subjects", "58"])
+    assert exit_info.value.code == 2

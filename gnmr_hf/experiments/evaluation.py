@@ -248,28 +248,45 @@ def _with_adapter(base: str, adapter: str | None) -> ModelSource:
     return ModelSource(base=base, adapter=adapter, tokenizer=adapter if has_tokenizer else base)
 
 
+# How an INT8 base is evaluated (`int8_eval`): bitsandbytes' own 8-bit inference, or its INT8 weights de-quantized.
+INT8_EVALS = ("bnb", "fp32", "bf16")
+
+
 def load_model(
-    source: ModelSource, *, load_in_8bit: bool = False, device: str = "cpu", offline: str | None = None
+    source: ModelSource,
+    *,
+    load_in_8bit: bool = False,
+    device: str = "cpu",
+    offline: str | None = None,
+    int8_eval: str = "bnb",
 ) -> tuple[Any, Any]:
     """Load `source` as (model, tokenizer): the base with `dtype="auto"` (as HFLM does), then the adapter.
 
     `load_in_8bit` quantizes the base with `BitsAndBytesConfig(load_in_8bit=True)` on `device`
-    (bitsandbytes >= 0.45 runs 8-bit matmuls on CPU too). `offline`: why the Hub is out of reach (from
-    `offline_reason`), or None; when set, only local files and the HF cache are read, so a Hub name that is not
-    cached fails at once instead of after a minute of connection retries.
+    (bitsandbytes >= 0.45 runs 8-bit matmuls on CPU too). With it, `int8_eval` says how the INT8 base runs:
+    "bnb" (bitsandbytes' own inference: LLM.int8(), each input row rounded to INT8, outlier columns in 16 bits), or
+    "fp32" / "bf16": the INT8 weights de-quantized into plain `nn.Linear` layers of that dtype
+    (`dequantize_int8_linears`), the adapter then merged into them (`merge_and_unload`), so that evaluation runs
+    at the plain model's speed on the same weights; what that leaves out is the inputs' INT8 rounding.
+    `offline`: why the Hub is out of reach (from `offline_reason`), or None; when set, only local files and the HF
+    cache are read, so a Hub name that is not cached fails at once instead of after a minute of connection retries.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
+    if int8_eval not in INT8_EVALS:
+        raise ValueError(f"int8_eval={int8_eval!r}: choose from {', '.join(INT8_EVALS)}")
+    if int8_eval != "bnb" and not load_in_8bit:
+        raise ValueError(f"int8_eval={int8_eval!r} de-quantizes an INT8 base: it needs load_in_8bit")
     kwargs: dict[str, Any] = {"dtype": "auto", "device_map": device, "local_files_only": offline is not None}
     if load_in_8bit:
-        import torch
-
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_8bit=True, llm_int8_threshold=source.llm_int8_threshold
         )
         # bitsandbytes' 8-bit matmul computes in fp16: a base in another dtype (a checkpoint saved in fp32) would
-        # have its inputs cast on every call, with a warning each time.
-        kwargs["dtype"] = torch.float16
+        # have its inputs cast on every call, with a warning each time. De-quantized, the INT8 codes are made from
+        # fp32 weights, as the CPU fine-tunes make them (gnmr_hf.experiments.models: the rest in fp32 on a CPU).
+        kwargs["dtype"] = torch.float16 if int8_eval == "bnb" else torch.float32
     try:
         model = AutoModelForCausalLM.from_pretrained(source.base, **kwargs)
     except OSError as err:
@@ -281,6 +298,10 @@ def load_model(
         raise OSError(
             f"model={source.base!r} could not be loaded as a local folder or Hub model{where}: {err}"
         ) from err
+    if int8_eval != "bnb":
+        dtype = torch.float32 if int8_eval == "fp32" else torch.bfloat16
+        dequantize_int8_linears(model, dtype)
+        model.to(dtype)
     if source.adapter is not None:
         from peft import PeftModel
 
@@ -288,7 +309,50 @@ def load_model(
 
         with peft_quietly():
             model = PeftModel.from_pretrained(model, source.adapter)
+        if int8_eval != "bnb":
+            # Merged into the de-quantized weights: W + B A in the eval dtype, one GEMM per linear.
+            model = model.merge_and_unload()
     return model.eval(), AutoTokenizer.from_pretrained(source.tokenizer, local_files_only=offline is not None)
+
+
+def dequantize_int8_linears(model: Any, dtype: Any) -> list[str]:
+    """Replace every bitsandbytes `Linear8bitLt` of `model` by an `nn.Linear` of `dtype` holding its de-quantized
+    INT8 weight (`bitsandbytes.functional.int8_vectorwise_dequant`: code x row scale / 127, the weight the 8-bit
+    layer multiplies by) and its bias; returns the replaced modules' names. The model's quantization marks are
+    cleared, so that transformers and peft treat it as the plain model it now is."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnb_functional
+    import torch
+
+    from ..backends.bnb import _int8_scales
+
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, bnb.nn.Linear8bitLt):
+            continue
+        scb = _int8_scales(module)
+        if scb is None or module.weight.dtype != torch.int8:
+            raise ValueError(f"{name}: an 8-bit layer without INT8 weights and row scales cannot be de-quantized")
+        linear = torch.nn.Linear(
+            module.in_features, module.out_features, bias=module.bias is not None, device=module.weight.device,
+            dtype=dtype,
+        )  # fmt: skip
+        with torch.no_grad():
+            linear.weight.copy_(bnb_functional.int8_vectorwise_dequant(module.weight.data, scb))
+            if module.bias is not None:
+                linear.bias.copy_(module.bias)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, linear)
+        replaced.append(name)
+    for attribute in ("is_loaded_in_8bit", "is_quantized"):
+        if getattr(model, attribute, False):
+            setattr(model, attribute, False)
+    for attribute in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attribute):
+            setattr(model, attribute, None)
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    return replaced
 
 
 def _check_cached(base: str, offline: str) -> None:
@@ -319,6 +383,8 @@ def evaluate_model(
     device: str | None = None,
     output_dir: str | os.PathLike[str] | None = None,
     task_manager: TaskManager | None = None,
+    int8_eval: str = "bnb",
+    log_samples: bool = False,
 ) -> dict[str, Any]:
     """Evaluate `model` with lm-eval and return lm-eval's results, plus a `metadata` entry saying what ran.
 
@@ -328,6 +394,9 @@ def evaluate_model(
         adapter: a peft adapter folder to apply on top of `model`.
         load_in_8bit: load the base in 8-bit with bitsandbytes (only for a `model` given as a path or name);
             None: as the fine-tune's gnmr_run.json says (False without one).
+        int8_eval: with an 8-bit base, "bnb" (bitsandbytes' own 8-bit inference, the default) or "fp32" / "bf16"
+            (its INT8 weights de-quantized, the adapter merged: the same weights at the plain model's speed, without
+            LLM.int8()'s input rounding; see `load_model`).
         tasks: lm-eval task names, as a list or comma-separated; `mmlu` and `hellaswag` become their local
             look-alikes when offline. Each task runs with its own default shots (`DEFAULT_NUM_FEWSHOT`) unless
             `num_fewshot` is given, which then applies to every task but the perplexity one (it has no prompt).
@@ -343,6 +412,8 @@ def evaluate_model(
         task_manager: an `lm_eval.tasks.TaskManager` to reuse instead of building one (building the index of all
             lm-eval tasks takes ~15 s). It must index the local tasks: build it with
             `include_path=write_local_tasks(folder)`.
+        log_samples: keep lm-eval's per-document records (`samples`, by task: each request's log-likelihoods);
+            they stay out of results.json.
     """
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -358,6 +429,13 @@ def evaluate_model(
         raise ValueError(
             "adapter and load_in_8bit apply to a model given as a path or name; for a model in memory, quantize "
             "it and apply the adapter (peft.PeftModel.from_pretrained) before calling evaluate_model"
+        )
+    if int8_eval not in INT8_EVALS:
+        raise ValueError(f"int8_eval={int8_eval!r}: choose from {', '.join(INT8_EVALS)}")
+    if int8_eval != "bnb" and not load_in_8bit:
+        raise ValueError(
+            f"int8_eval={int8_eval!r} de-quantizes an 8-bit base: it needs load_in_8bit (or a fine-tune whose "
+            "gnmr_run.json says load_in_8bit), and a model given as a path or name"
         )
 
     # Checked once: it decides the tasks and, for a model given by name, whether the Hub is tried at all.
@@ -388,7 +466,7 @@ def evaluate_model(
         if source is not None:
             device = device or _default_device()
             hf_model, loaded_tokenizer = load_model(
-                source, load_in_8bit=load_in_8bit, device=device, offline=hub_offline
+                source, load_in_8bit=load_in_8bit, device=device, offline=hub_offline, int8_eval=int8_eval
             )
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         else:
@@ -405,16 +483,19 @@ def evaluate_model(
                     num_fewshot=n_shot,
                     limit=limit,
                     task_manager=task_manager,
-                    log_samples=False,
+                    log_samples=log_samples,
                 )
             for key in _RESULT_KEYS:
                 merged.setdefault(key, {}).update(out.get(key) or {})
+            if log_samples:
+                merged.setdefault("samples", {}).update(out.get("samples") or {})
 
     merged["metadata"] = {
         "model": source.base if source else getattr(hf_model, "name_or_path", type(hf_model).__name__),
         "adapter": source.adapter if source else None,
         "load_in_8bit": bool(load_in_8bit),
         "llm_int8_threshold": source.llm_int8_threshold if source and load_in_8bit else None,
+        "int8_eval": int8_eval if load_in_8bit else None,
         "tasks_requested": task_list,
         "tasks_run": list(plan.values()),
         "task_map": plan,
@@ -564,7 +645,8 @@ def write_results(results: dict[str, Any], output_dir: str | os.PathLike[str]) -
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    kept = {key: value for key, value in results.items() if key != "samples"}  # per-document records: too long
+    (out / "results.json").write_text(json.dumps(kept, indent=2, default=str) + "\n")
     meta = results["metadata"]
     lines = [
         f"# Evaluation of {meta['model']}" + (f" + adapter {meta['adapter']}" if meta["adapter"] else ""),
@@ -572,9 +654,8 @@ def write_results(results: dict[str, Any], output_dir: str | os.PathLike[str]) -
         f"- tasks run: {', '.join(meta['tasks_run'])}",
         f"- offline: {meta['offline']}" + (f" ({meta['offline_reason']})" if meta["offline"] else ""),
         f"- num_fewshot: {meta['num_fewshot']}; limit: {meta['limit']}; 8-bit: {meta['load_in_8bit']}"
-        + (
-            f" (llm_int8_threshold {meta['llm_int8_threshold']})" if meta.get("llm_int8_threshold") is not None else ""
-        ),
+        + (f" (llm_int8_threshold {meta['llm_int8_threshold']})" if meta.get("llm_int8_threshold") is not None else "")
+        + (f", run as {meta['int8_eval']}" if meta.get("int8_eval") not in (None, "bnb") else ""),
         f"- lm-eval {meta['lm_eval_version']}, transformers {meta['transformers_version']}",
         "",
     ]
