@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -92,6 +93,31 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
         float(np.median([losses[s] - high_losses[s] for s in clean if s in high_losses])) if high_losses else None
     )
 
+    by_step = {int(r["step"]): r for r in records if r.get("type") == "step"}
+    high_steps: dict[int, dict[str, Any]] = {}
+    if high is not None and any(high.glob("*trace*.jsonl")):
+        _, high_records = read_trace(high)
+        high_steps = {int(r["step"]): r for r in high_records if r.get("type") == "step"}
+
+    def max_risk(record: dict[str, Any] | None) -> float | None:
+        value = None if record is None else record.get("max_risk")
+        return math.inf if value == "inf" else value
+
+    # GNMR's spikes (a unit above its bound: risk > 1) past the warm-up, anomalous or not, each against static high's
+    # largest risk on the same step: a spike in both runs is the batch's own, one in the cheap path's run alone is
+    # the cheap path's.
+    spikes = []
+    for s, record in sorted(by_step.items()):
+        if s <= skip or not record.get("risky"):
+            continue
+        spikes.append({
+            "step": s,
+            "anomaly": anomalies.get(s),
+            "max_risk": max_risk(record),
+            "high_max_risk": max_risk(high_steps.get(s)),
+            "risky": [names[i] for i in record["risky"]],
+        })  # fmt: skip
+
     steps = []
     for s, kind in sorted(anomalies.items()):
         if s not in losses or s <= skip:
@@ -128,6 +154,9 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
                 )
                 for i in broken
             }
+        row["max_risk"] = max_risk(by_step.get(s))
+        if high_steps:
+            row["high_max_risk"] = max_risk(high_steps.get(s))
         if s in risk and np.isfinite(risk[s]).any():
             with np.errstate(divide="ignore", invalid="ignore"):
                 rrise = risk[s] / risk_clean
@@ -152,6 +181,9 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
             "recurring": [u for u, c in counts.items() if c >= max(2, len(rows) / 2)],
             "longest_break": max((v for r in rows for v in r.get("broken_for", {}).values()), default=0),
         }
+        kinds[kind]["gnmr_spikes"] = sum(1 for r in rows if (r["max_risk"] or 0) > 1)
+        if high_steps:
+            kinds[kind]["high_spikes"] = sum(1 for r in rows if (r.get("high_max_risk") or 0) > 1)
         if cheap_clean is not None:
             kinds[kind]["mean_cheap_path_loss"] = statistics.fmean(
                 r["cheap_path_loss"] for r in rows if "cheap_path_loss" in r
@@ -159,7 +191,6 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
 
     # Per step, for the figure: the losses, the summed impact, the units on (or, monitor-only, chosen for) the
     # recovery path, and GNMR's largest norm-to-mean ratio.
-    by_step = {int(r["step"]): r for r in records if r.get("type") == "step"}
     series = {
         "step": sorted(losses),
         "loss": [losses[s] for s in sorted(losses)],
@@ -183,8 +214,10 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
             [names[i], float(impact_clean[i])] for i in np.argsort(-np.nan_to_num(impact_clean, nan=-1.0))[:5]
         ],
         "ratio": ratio,
+        "skip": skip,
         "kinds": kinds,
         "steps": steps,
+        "spikes": spikes,
         "anomalies": [[s, k] for s, k in sorted(anomalies.items())],
         "series": series,
     }
@@ -223,16 +256,26 @@ def _markdown(report: dict[str, Any]) -> str:
         ),
         "",
         "| kind | steps | loss spike | impact total / clean | cheap-path loss | steps with a unit broken "
-        f"(>= {report['ratio']:g}x) | units broken (times) | longest break (steps) |",
-        "|---|---:|---:|---:|---:|---:|---|---:|",
+        f"(>= {report['ratio']:g}x) | units broken (times) | longest break (steps) | GNMR spikes (static high's) |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for kind, k in report["kinds"].items():
         cheap = f"{k['mean_cheap_path_loss']:+.4f}" if "mean_cheap_path_loss" in k else "-"
         units = ", ".join(f"{u} ({c})" for u, c in list(k["units_broken"].items())[:4]) or "none"
         lines.append(
             f"| {kind} | {k['occurrences']} | {k['mean_loss_spike']:+.3f} | {k['mean_impact_total_ratio']:.2f} "
-            f"| {cheap} | {k['steps_with_a_break']} | {units} | {k['longest_break']} |"
+            f"| {cheap} | {k['steps_with_a_break']} | {units} | {k['longest_break']} | {k['gnmr_spikes']}"
+            + (f" ({k['high_spikes']})" if "high_spikes" in k else "")
+            + " |"
         )
+    clean_spikes = [x for x in report["spikes"] if x["anomaly"] is None]
+    lines += [
+        "",
+        f"GNMR spikes (a unit's risk > 1) past step {report['skip']}: {len(report['spikes'])} steps, "
+        f"{len(clean_spikes)} of them not anomalous"
+        + (": " + ", ".join(f"step {x['step']} ({len(x['risky'])} units)" for x in clean_spikes[:8]) if clean_spikes
+           else ""),
+    ]  # fmt: skip
     if "oracle" in report:
         o = report["oracle"]
         lines += [

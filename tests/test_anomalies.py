@@ -190,6 +190,9 @@ def test_the_analysis_finds_the_anomalous_steps_and_what_broke_on_them(tmp_path,
         assert len(row["top_impact"]) == 5 and row["impact_total"] > 0 and "cheap_path_loss" in row
         assert set(row["broken"]) <= {name for name, _, _ in row["top_impact"]}
         assert all(1 <= n <= 5 for n in row["broken_for"].values())
+        assert row["max_risk"] is not None and row["high_max_risk"] is not None  # both runs' GNMR, the same step
+    for spike in report["spikes"]:
+        assert spike["step"] > 4 and spike["risky"] and (spike["anomaly"] is None) == (spike["step"] % 9 != 0)
     assert set(report["kinds"]) == {"repeat", "digits"} and report["kinds"]["repeat"]["occurrences"] == 2
     assert set(report["oracle"]["gap_total_ratio_by_kind"]) == {"repeat", "digits"}
     assert "| repeat | 2 |" in capsys.readouterr().out
