@@ -6,7 +6,8 @@ probed, `oracle.jsonl`) and compares every anomalous step with the run's clean s
 - the loss: the step's training loss against the median of the 3 clean steps before it (a spike), and with
   `--high RUN` (the static_high arm of the same seed, on the same anomalies) the cheap path's share of that step's
   loss (low minus high) against the same share on clean steps;
-- each unit's impact estimate (the run must measure every unit every step: `--impact_options every=1`) and GNMR's
+- each unit's impact measure (the run must measure every unit every step: `--impact_options every=1`; the measure
+  is recovered from the traced running estimate) and GNMR's
   risk (`--trace_top_k` at least the number of units), each against the unit's own median over clean steps;
 - a unit **breaks** at an anomalous step when its impact is at least `--ratio` times its clean median and among the
   step's 5 largest; it **stays broken** at a later step while its impact remains at least half that ratio;
@@ -37,6 +38,7 @@ with quiet_unused_imports():
 
     from gnmr_hf.experiments.oracle import read_oracle
     from gnmr_hf.experiments.pretrain.anomalies import ANOMALY_KINDS
+    from gnmr_hf.policies.impact import ImpactOptions
     from gnmr_hf.trace import read_trace
 
 AFTER = 4  # steps after an anomaly that are neither anomalous nor clean, where a break may last
@@ -51,16 +53,27 @@ def _step_losses(result: dict[str, Any], where: Path) -> dict[int, float]:
     return losses
 
 
-def _per_unit(records: list[dict[str, Any]], n: int, field: str) -> dict[int, np.ndarray]:
-    """step -> [n] values (NaN where not given): the impact estimates or GNMR's risks of each step record."""
+def _per_unit(records: list[dict[str, Any]], n: int, field: str, smoothing: float = 1.0) -> dict[int, np.ndarray]:
+    """step -> [n] values (NaN where not given): each step's impact measures, or GNMR's risks.
+
+    The trace holds the impact policy's running estimate of each unit measured at the step (`e = (1 - s) e_before + s
+    m` for a measure `m`, `s` = `smoothing`; the first measure, or one after a non-finite estimate, sets it). The
+    measure itself is recovered from it, so that a one-step rise reads as one step, not as the estimate's decay."""
     out = {}
+    before = np.full(n, np.nan)
     for r in records:
         if r.get("type") != "step":
             continue
         values = np.full(n, np.nan)
         pairs = r.get("impact", {}).get("estimate", []) if field == "impact" else r.get("top", [])
         for i, v in pairs:
-            values[i] = float(v)
+            value = math.inf if v == "inf" else float(v)
+            if field == "impact":
+                if math.isfinite(before[i]) and math.isfinite(value) and value < 1e299:
+                    before[i], value = value, (value - (1.0 - smoothing) * before[i]) / smoothing
+                else:
+                    before[i] = value
+            values[i] = value
         out[r["step"]] = values
     return out
 
@@ -74,7 +87,9 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
     header, records = read_trace(run)
     names: list[str] = header["units"]
     n = len(names)
-    impact = _per_unit(records, n, "impact")
+    options = header.get("config", {}).get("policy_options") or {}
+    smoothing = float(options.get("smoothing", ImpactOptions().smoothing))
+    impact = _per_unit(records, n, "impact", smoothing)
     risk = _per_unit(records, n, "risk")
     near = {s + d for s in anomalies for d in range(1, AFTER + 1)}
     clean = [s for s in sorted(losses) if s > skip and s not in anomalies and s not in near and s in impact]

@@ -208,3 +208,20 @@ def test_the_analysis_refuses_a_run_it_cannot_read(tmp_path):
     (tmp_path / "result.json").write_text(json.dumps({"arm": "static_low", "max_steps": 4, "train_loss": []}))
     with pytest.raises(SystemExit, match="has no anomalies"):
         analysis.main([str(tmp_path)])
+
+
+def test_the_analysis_reads_each_measure_back_from_the_running_estimate():
+    from trainer_utils import load_script
+
+    analysis = load_script("benchmarks/anomaly_analysis.py")
+    measures = [0.05, 0.04, 9.7, 0.06, 0.05]  # one unit, a one-step rise at the third step
+    estimate, records = None, []
+    for step, m in enumerate(measures, start=1):
+        estimate = m if estimate is None else 0.5 * estimate + 0.5 * m  # the policy's rule, smoothing 0.5
+        records.append({"type": "step", "step": step, "impact": {"estimate": [[0, estimate]]}})
+    got = analysis._per_unit(records, 1, "impact", smoothing=0.5)
+    assert [round(float(got[s][0]), 9) for s in range(1, 6)] == measures
+    records.append({"type": "step", "step": 6, "impact": {"estimate": [[0, "inf"]]}})  # an overflowed cheap path
+    records.append({"type": "step", "step": 7, "impact": {"estimate": [[0, 0.07]]}})  # replaces it, unmixed
+    got = analysis._per_unit(records, 1, "impact", smoothing=0.5)
+    assert got[6][0] == float("inf") and got[7][0] == 0.07
