@@ -323,6 +323,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
     middle.set_ylabel("per step")
     bottom.step(steps, [np.nan if v is None else v for v in series["active"]], where="mid", color="tab:purple")
     bottom.set_ylabel("units in recovery")
+    bottom.set_ylim(bottom=0)
     bottom.set_xlabel("optimizer step")
     colours = dict(zip(ANOMALY_KINDS, ("tab:orange", "tab:blue", "tab:brown", "tab:olive"), strict=True))
     seen = set()
