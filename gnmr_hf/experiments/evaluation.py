@@ -252,6 +252,16 @@ def _with_adapter(base: str, adapter: str | None) -> ModelSource:
 INT8_EVALS = ("bnb", "fp32", "bf16")
 
 
+def _check_int8_eval(int8_eval: str, load_in_8bit: bool) -> None:
+    if int8_eval not in INT8_EVALS:
+        raise ValueError(f"int8_eval={int8_eval!r}: choose from {', '.join(INT8_EVALS)}")
+    if int8_eval != "bnb" and not load_in_8bit:
+        raise ValueError(
+            f"int8_eval={int8_eval!r} de-quantizes an 8-bit base: it needs load_in_8bit (or a fine-tune whose "
+            "gnmr_run.json says load_in_8bit), and a model given as a path or name"
+        )
+
+
 def load_model(
     source: ModelSource,
     *,
@@ -265,19 +275,18 @@ def load_model(
     `load_in_8bit` quantizes the base with `BitsAndBytesConfig(load_in_8bit=True)` on `device`
     (bitsandbytes >= 0.45 runs 8-bit matmuls on CPU too). With it, `int8_eval` says how the INT8 base runs:
     "bnb" (bitsandbytes' own inference: LLM.int8(), each input row rounded to INT8, outlier columns in 16 bits), or
-    "fp32" / "bf16": the INT8 weights de-quantized into plain `nn.Linear` layers of that dtype
-    (`dequantize_int8_linears`), the adapter then merged into them (`merge_and_unload`), so that evaluation runs
-    at the plain model's speed on the same weights; what that leaves out is the inputs' INT8 rounding.
+    "fp32" / "bf16": the INT8 weights de-quantized into plain `nn.Linear` layers of that dtype (transformers'
+    `PreTrainedModel.dequantize`, which calls bitsandbytes' `int8_vectorwise_dequant`: the code times its row scale
+    over 127, the weight the 8-bit layer multiplies by), the adapter then merged into them (`merge_and_unload`), so
+    that evaluation runs at the plain model's speed on the same weights; what that leaves out is the inputs' INT8
+    rounding.
     `offline`: why the Hub is out of reach (from `offline_reason`), or None; when set, only local files and the HF
     cache are read, so a Hub name that is not cached fails at once instead of after a minute of connection retries.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    if int8_eval not in INT8_EVALS:
-        raise ValueError(f"int8_eval={int8_eval!r}: choose from {', '.join(INT8_EVALS)}")
-    if int8_eval != "bnb" and not load_in_8bit:
-        raise ValueError(f"int8_eval={int8_eval!r} de-quantizes an INT8 base: it needs load_in_8bit")
+    _check_int8_eval(int8_eval, load_in_8bit)
     kwargs: dict[str, Any] = {"dtype": "auto", "device_map": device, "local_files_only": offline is not None}
     if load_in_8bit:
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -300,8 +309,10 @@ def load_model(
         ) from err
     if int8_eval != "bnb":
         dtype = torch.float32 if int8_eval == "fp32" else torch.bfloat16
-        dequantize_int8_linears(model, dtype)
-        model.to(dtype)
+        model.dequantize(dtype=dtype)
+        model.to(dtype)  # the parameters that were never quantized (embeddings, norms) too
+        # transformers drops the quantizer and its config but leaves this mark, which peft reads as "8-bit base".
+        model.is_loaded_in_8bit = False
     if source.adapter is not None:
         from peft import PeftModel
 
@@ -313,46 +324,6 @@ def load_model(
             # Merged into the de-quantized weights: W + B A in the eval dtype, one GEMM per linear.
             model = model.merge_and_unload()
     return model.eval(), AutoTokenizer.from_pretrained(source.tokenizer, local_files_only=offline is not None)
-
-
-def dequantize_int8_linears(model: Any, dtype: Any) -> list[str]:
-    """Replace every bitsandbytes `Linear8bitLt` of `model` by an `nn.Linear` of `dtype` holding its de-quantized
-    INT8 weight (`bitsandbytes.functional.int8_vectorwise_dequant`: code x row scale / 127, the weight the 8-bit
-    layer multiplies by) and its bias; returns the replaced modules' names. The model's quantization marks are
-    cleared, so that transformers and peft treat it as the plain model it now is."""
-    import bitsandbytes as bnb
-    import bitsandbytes.functional as bnb_functional
-    import torch
-
-    from ..backends.bnb import _int8_scales
-
-    replaced = []
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, bnb.nn.Linear8bitLt):
-            continue
-        scb = _int8_scales(module)
-        if scb is None or module.weight.dtype != torch.int8:
-            raise ValueError(f"{name}: an 8-bit layer without INT8 weights and row scales cannot be de-quantized")
-        linear = torch.nn.Linear(
-            module.in_features, module.out_features, bias=module.bias is not None, device=module.weight.device,
-            dtype=dtype,
-        )  # fmt: skip
-        with torch.no_grad():
-            linear.weight.copy_(bnb_functional.int8_vectorwise_dequant(module.weight.data, scb))
-            if module.bias is not None:
-                linear.bias.copy_(module.bias)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, linear)
-        replaced.append(name)
-    for attribute in ("is_loaded_in_8bit", "is_quantized"):
-        if getattr(model, attribute, False):
-            setattr(model, attribute, False)
-    for attribute in ("hf_quantizer", "quantization_method"):
-        if hasattr(model, attribute):
-            setattr(model, attribute, None)
-    if getattr(model.config, "quantization_config", None) is not None:
-        del model.config.quantization_config
-    return replaced
 
 
 def _check_cached(base: str, offline: str) -> None:
@@ -430,13 +401,7 @@ def evaluate_model(
             "adapter and load_in_8bit apply to a model given as a path or name; for a model in memory, quantize "
             "it and apply the adapter (peft.PeftModel.from_pretrained) before calling evaluate_model"
         )
-    if int8_eval not in INT8_EVALS:
-        raise ValueError(f"int8_eval={int8_eval!r}: choose from {', '.join(INT8_EVALS)}")
-    if int8_eval != "bnb" and not load_in_8bit:
-        raise ValueError(
-            f"int8_eval={int8_eval!r} de-quantizes an 8-bit base: it needs load_in_8bit (or a fine-tune whose "
-            "gnmr_run.json says load_in_8bit), and a model given as a path or name"
-        )
+    _check_int8_eval(int8_eval, bool(load_in_8bit))
 
     # Checked once: it decides the tasks and, for a model given by name, whether the Hub is tried at all.
     hub_offline = offline_reason() if offline_tasks is None or source is not None else None
