@@ -206,13 +206,14 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
 
     # Per step, for the figure: the losses, the summed impact, the units on (or, monitor-only, chosen for) the
     # recovery path, and GNMR's largest norm-to-mean ratio.
+    logged = sorted(losses)
     series = {
-        "step": sorted(losses),
-        "loss": [losses[s] for s in sorted(losses)],
-        "high_loss": [high_losses.get(s) for s in sorted(losses)] if high_losses else None,
-        "impact_total": [float(np.nansum(impact[s])) if s in impact else None for s in sorted(losses)],
-        "active": [len(by_step[s]["active"]) if s in by_step else None for s in sorted(losses)],
-        "max_risk": [by_step[s].get("max_risk") if s in by_step else None for s in sorted(losses)],
+        "step": logged,
+        "loss": [losses[s] for s in logged],
+        "high_loss": [high_losses.get(s) for s in logged] if high_losses else None,
+        "impact_total": [float(np.nansum(impact[s])) if s in impact else None for s in logged],
+        "active": [len(by_step[s]["active"]) if s in by_step else None for s in logged],
+        "max_risk": [by_step[s].get("max_risk") if s in by_step else None for s in logged],
     }
 
     report: dict[str, Any] = {

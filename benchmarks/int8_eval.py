@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from gnmr_hf.commandline import quiet_unused_imports
 
@@ -99,8 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             finally:
                 timed["seconds"] += time.perf_counter() - start
 
-        HFLM.loglikelihood = timed_loglikelihood
-        try:
+        with mock.patch.object(HFLM, "loglikelihood", timed_loglikelihood):
             for mode in cli.modes:
                 timed["seconds"] = 0.0
                 results = evaluate_model(
@@ -127,8 +127,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "accuracy": statistics.fmean(r["acc"] for r in requests.values()),
                     "questions": len(requests),
                 }
-        finally:
-            HFLM.loglikelihood = loglikelihood
 
     first, *others = cli.modes
     for mode in others:
