@@ -6,6 +6,8 @@
     python recipes/evaluate.py --model runs/int8 --int8_eval fp32 --output_dir runs/int8/eval_fp32
     python recipes/evaluate.py --compare runs/int8/eval runs/gnmr/eval runs/bf16/eval --names int8 gnmr bf16 \\
         --output_dir runs/compare
+    python recipes/evaluate.py --model runs/gnmr --int8_eval fp32 --log_samples --output_dir runs/gnmr/eval
+    python recipes/evaluate.py --compare runs/bf16/eval runs/gnmr/eval --reference bf16 --output_dir runs/compare
 
 `--model` is a model folder, a Hub name, or a fine-tune's output_dir (a peft adapter folder, or a folder with a
 gnmr_run.json naming base model and adapter). Offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE, or the Hub out of
@@ -14,7 +16,9 @@ from the same subject's test questions, never the question itself; see gnmr_hf.e
 local look-alike, and the log and results.json say so; `--real_tasks` insists on lm-eval's own tasks (from the HF
 datasets cache). Offline, a model named by its Hub id must be in the HF cache: that is checked first, in a second.
 `--perplexity_file heldout.txt` adds perplexity on held-out text. Each evaluation writes results.json (lm-eval's
-own results dict plus what ran) and results.md; `--compare` writes comparison.md and comparison.json. The work is
+own results dict plus what ran) and results.md; `--log_samples` adds each document's score (per_document.jsonl), and
+`--compare` then sets every arm against `--reference` (default: the first) question by question, with the paired
+difference's standard error; `--compare` writes comparison.md and comparison.json. The work is
 done by `gnmr_hf.experiments.evaluation`; this script only parses the flags.
 """
 
@@ -75,6 +79,14 @@ class EvaluateArguments:
         default=None, metadata={"help": "Compare these arms' eval folders (or results.json files) instead."}
     )
     names: list[str] | None = field(default=None, metadata={"help": "Names of the --compare arms, in order."})
+    reference: str | None = field(
+        default=None,
+        metadata={"help": "The --compare arm the others are paired against, by name (default: the first)."},
+    )
+    log_samples: bool = field(
+        default=False,
+        metadata={"help": "Also write each document's score (per_document.jsonl), for paired --compare."},
+    )
 
     def __post_init__(self) -> None:
         if self.compare is None and self.model is None and self.adapter is None:
@@ -83,6 +95,10 @@ class EvaluateArguments:
             raise ValueError("--compare reads finished evaluations; it does not take --model")
         if self.names is not None and self.compare is None:
             raise ValueError("--names labels the --compare arms; pass --compare DIR ... too")
+        if self.reference is not None and self.compare is None:
+            raise ValueError("--reference names a --compare arm; pass --compare DIR ... too")
+        if self.log_samples and self.compare is not None:
+            raise ValueError("--log_samples applies to an evaluation (--model), not to --compare")
         if self.offline_tasks and self.real_tasks:
             raise ValueError("--offline_tasks and --real_tasks exclude each other; pass at most one")
         if self.batch_size != "auto" and not self.batch_size.isdigit():
@@ -110,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             if args.compare is not None:
-                table = compare_results(args.compare, args.output_dir, names=args.names)
+                table = compare_results(args.compare, args.output_dir, names=args.names, reference=args.reference)
                 print(f"compared {', '.join(table['arms'])}: {args.output_dir}/comparison.md")
                 return 0
             limit = args.limit  # a float flag, as lm-eval's own --limit; whole numbers are document counts
@@ -129,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 batch_size=args.batch_size if args.batch_size == "auto" else int(args.batch_size),
                 device=args.device,
                 output_dir=args.output_dir,
+                log_samples=args.log_samples,
             )
         except (FileNotFoundError, ValueError, OSError) as err:
             print(f"error: {err}", file=sys.stderr)

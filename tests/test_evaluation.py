@@ -26,12 +26,14 @@ import yaml
 from gnmr_hf.experiments.evaluation import (
     DATA_DIR,
     LOCAL_TASKS,
+    PER_DOCUMENT_FILE,
     PERPLEXITY_TASK,
     RUN_FILE,
     compare_results,
     evaluate_model,
     load_model,
     offline_reason,
+    paired_difference,
     resolve_model_source,
     write_local_tasks,
     write_results,
@@ -434,6 +436,56 @@ def test_comparison_table_of_three_arms(baseline, tmp_path):
     assert "differ in limit" in (tmp_path / "flagged" / "comparison.md").read_text()
 
 
+def test_paired_difference_is_the_paired_test():
+    got = paired_difference([1, 0, 0, 1, 0], [1, 1, 0, 0, 1])
+    diffs = [0, 1, 0, -1, 1]
+    mean = sum(diffs) / 5
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 4)
+    assert got == {"n": 5, "difference": mean, "stderr": pytest.approx(sd / math.sqrt(5)), "only_other": 2,
+                   "only_reference": 1}  # fmt: skip
+    with pytest.raises(ValueError, match="no document in common"):
+        paired_difference([], [])
+    with pytest.raises(ValueError, match="2 reference scores against 1"):
+        paired_difference([0, 1], [1])
+
+
+def test_per_document_scores_pair_the_arms_question_by_question(tiny_dir, task_manager, tmp_path):
+    ref = tmp_path / "ref"
+    evaluate_model(str(tiny_dir), tasks="mmlu,hellaswag", limit=1, num_fewshot=0, device="cpu",
+                   task_manager=task_manager, output_dir=ref, log_samples=True)  # fmt: skip
+    rows = [json.loads(line) for line in (ref / PER_DOCUMENT_FILE).read_text().splitlines()]
+    assert Counter(r["task"].startswith(MMLU_GROUP) for r in rows) == {True: 57, False: 1}  # one per subject, 1 hs
+    assert all(r["acc"] in (0.0, 1.0) and r["prompt_hash"] for r in rows)
+    assert "samples" not in json.loads((ref / "results.json").read_text())
+    # Another arm: three MMLU questions it alone gets right, one whose prompt differs (not paired).
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "results.json").write_text((ref / "results.json").read_text())
+    wrong = [r for r in rows if r["task"].startswith(MMLU_GROUP) and r["acc"] == 0.0]
+    assert len(wrong) >= 4
+    changed = [dict(r) for r in rows]
+    for r in changed:
+        if r in wrong[:3]:
+            r["acc"] = 1.0
+        elif r == wrong[3]:
+            r["prompt_hash"] = "another prompt"
+    (other / PER_DOCUMENT_FILE).write_text("".join(json.dumps(r) + "\n" for r in changed))
+
+    table = compare_results([ref, other], tmp_path / "cmp", names=["bf16", "gnmr"], reference="bf16")
+    mmlu = next(r for r in table["paired"] if (r["task"], r["metric"], r["arm"]) == (MMLU_GROUP, "acc", "gnmr"))
+    expected = paired_difference([0.0] * 3 + [0.0] * 53, [1.0] * 3 + [0.0] * 53)
+    assert mmlu == {"task": MMLU_GROUP, "metric": "acc", "arm": "gnmr", **expected}
+    assert mmlu["n"] == 56 and mmlu["difference"] == pytest.approx(3 / 56) and mmlu["only_other"] == 3
+    hs = next(r for r in table["paired"] if r["task"] == "gnmr_hellaswag_local" and r["metric"] == "acc")
+    assert hs["n"] == 1 and hs["difference"] == 0.0
+    assert "Paired against `bf16`" in (tmp_path / "cmp" / "comparison.md").read_text()
+    # Without the per-document file in every arm, nothing is paired; a reference must be an arm.
+    (other / PER_DOCUMENT_FILE).unlink()
+    assert compare_results([ref, other], tmp_path / "cmp2")["paired"] == []
+    with pytest.raises(ValueError, match=r"reference='int8' must be one of the arms' names \['ref', 'other'\]"):
+        compare_results([ref, other], tmp_path / "cmp3", reference="int8")
+
+
 def test_unknown_task_names_the_close_matches(tiny_dir, task_manager):
     with pytest.raises(ValueError, match=r"unknown task 'gnmr_hellaswag_locl' \(close: gnmr_hellaswag_local"):
         evaluate_model(str(tiny_dir), tasks="gnmr_hellaswag_locl", device="cpu", task_manager=task_manager)
@@ -466,6 +518,13 @@ def test_cli_reports_errors_with_the_flag(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--model", str(tmp_path), "--int8_eval", "fp16", "--output_dir", str(tmp_path)])
     assert exit_info.value.code == 2 and "--int8_eval" in capsys.readouterr().err
+    for argv, said in (
+        (["--model", str(tmp_path), "--reference", "bf16"], "--reference names a --compare arm"),
+        (["--compare", str(tmp_path), "--log_samples"], "--log_samples applies to an evaluation (--model)"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--output_dir", str(tmp_path)])
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_a_hub_model_offline_fails_at_once_and_load_in_8bit_is_a_bare_flag(adapter_run, tmp_path):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 import string
@@ -57,12 +58,15 @@ __all__ = [
     "DEFAULT_TASKS",
     "LOCAL_TASKS",
     "PERPLEXITY_TASK",
+    "PER_DOCUMENT_FILE",
     "RUN_FILE",
     "ModelSource",
     "compare_results",
     "evaluate_model",
     "load_model",
     "offline_reason",
+    "paired_difference",
+    "per_document",
     "resolve_model_source",
     "write_local_tasks",
     "write_results",
@@ -80,6 +84,10 @@ DEFAULT_NUM_FEWSHOT = {"mmlu": 5, MMLU_GROUP: 5, "hellaswag": 0, "gnmr_hellaswag
 PERPLEXITY_TASK = "gnmr_perplexity"
 # What a fine-tune recipe writes into its output_dir to say which base model its adapter belongs to.
 RUN_FILE = "gnmr_run.json"
+# Each document's score, one JSON object a line, written beside results.json when `log_samples` is on: what
+# `compare_results` pairs arms on (the same questions, compared question by question).
+PER_DOCUMENT_FILE = "per_document.jsonl"
+_DOC_FIELDS = ("task", "doc_id", "doc_hash", "prompt_hash")
 
 # What an offline `mmlu` is, said once for the log and results.md.
 MMLU_NOTE = (
@@ -612,6 +620,9 @@ def write_results(results: dict[str, Any], output_dir: str | os.PathLike[str]) -
     out.mkdir(parents=True, exist_ok=True)
     kept = {key: value for key, value in results.items() if key != "samples"}  # per-document records: too long
     (out / "results.json").write_text(json.dumps(kept, indent=2, default=str) + "\n")
+    if results.get("samples"):
+        rows = per_document(results["samples"])
+        (out / PER_DOCUMENT_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
     meta = results["metadata"]
     lines = [
         f"# Evaluation of {meta['model']}" + (f" + adapter {meta['adapter']}" if meta["adapter"] else ""),
@@ -636,10 +647,59 @@ def write_results(results: dict[str, Any], output_dir: str | os.PathLike[str]) -
     return out / "results.json"
 
 
+def per_document(samples: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """lm-eval's logged samples reduced to what pairs arms: per document its task, `doc_id`, lm-eval's hashes of the
+    document and of its prompt (two arms asked the same question in the same words when both match), and each
+    scalar metric lm-eval scored it with (`acc`, `acc_norm`, ...; the perplexity task's (value, weight) pairs are
+    left out: they are not per-document scores)."""
+    rows = []
+    for task, docs in samples.items():
+        for doc in docs:
+            metrics = {
+                name: float(doc[name])
+                for name in doc.get("metrics", ())
+                if isinstance(doc.get(name), (int, float)) and not isinstance(doc.get(name), bool)
+            }
+            if metrics:
+                rows.append(
+                    {
+                        "task": task,
+                        "doc_id": doc["doc_id"],
+                        "doc_hash": doc.get("doc_hash"),
+                        "prompt_hash": doc.get("prompt_hash"),
+                        **metrics,
+                    }
+                )
+    return rows
+
+
+def paired_difference(reference: Sequence[float], other: Sequence[float]) -> dict[str, float | int]:
+    """`other` against `reference` on the same documents: the mean of the per-document differences, its standard
+    error (the differences' sample standard deviation over sqrt(n): the paired test, which is far tighter than the
+    two accuracies' own standard errors when the arms agree on most questions), and the documents each arm alone
+    got right (the discordant pairs, for a 0/1 metric)."""
+    if len(reference) != len(other):
+        raise ValueError(f"paired_difference: {len(reference)} reference scores against {len(other)}")
+    n = len(reference)
+    if n == 0:
+        raise ValueError("paired_difference: no document in common")
+    diffs = [b - a for a, b in zip(reference, other, strict=True)]
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else math.nan
+    return {
+        "n": n,
+        "difference": mean,
+        "stderr": math.sqrt(var / n) if n > 1 else math.nan,
+        "only_other": sum(1 for d in diffs if d > 0),
+        "only_reference": sum(1 for d in diffs if d < 0),
+    }
+
+
 def compare_results(
     sources: Sequence[str | os.PathLike[str]],
     output_dir: str | os.PathLike[str],
     names: Sequence[str] | None = None,
+    reference: str | None = None,
 ) -> dict[str, Any]:
     """Put several arms' results side by side: output_dir/comparison.md (arms as columns) and comparison.json.
 
@@ -647,6 +707,11 @@ def compare_results(
     folders); `names` label the arms (default: the folder names). Rows are the tasks each arm ran at top level
     (a group's aggregate, not its subtasks) and their metrics as lm-eval names them ("acc,none"), each value with
     its stderr. Arms that differ in tasks, shots, limit or offline mode are flagged: their numbers do not compare.
+
+    Where every arm kept its per-document scores (evaluated with `log_samples`, per_document.jsonl beside its
+    results.json), each arm is also set against `reference` (a name; default: the first arm) on the documents both
+    scored, question by question (`paired_difference`: the mean difference and its paired standard error, per top-level
+    task, over all its subtasks' documents). A document whose prompt differs between two arms is not paired.
     """
     files = [Path(s) / "results.json" if Path(s).is_dir() else Path(s) for s in sources]
     missing = [str(f) for f in files if not f.is_file()]
@@ -675,11 +740,20 @@ def compare_results(
     differ = [
         f for f in fields if len({json.dumps(arm["metadata"].get(f), sort_keys=True) for arm in arms.values()}) > 1
     ]
+    if reference is not None and reference not in labels:
+        raise ValueError(f"reference={reference!r} must be one of the arms' names {labels}")
+    paired = _paired(
+        arms,
+        {label: f.parent / PER_DOCUMENT_FILE for label, f in zip(labels, files, strict=True)},
+        reference or labels[0],
+    )
     table = {
         "arms": labels,
         "sources": [str(f) for f in files],
         "differ_in": differ,
         "rows": [{"task": task, "metric": key, "arms": values} for (task, key), values in rows.items()],
+        "reference": reference or labels[0],
+        "paired": paired,
     }
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -690,8 +764,65 @@ def compare_results(
         lines.append(f"| {row['task']} | {row['metric']} | " + " | ".join(cells) + " |")
     if differ:
         lines += ["", f"Warning: the arms differ in {', '.join(differ)}; their numbers do not compare directly."]
+    if paired:
+        lines += [
+            "",
+            f"Paired against `{table['reference']}`, on the same documents (mean difference ± its paired standard "
+            "error; the documents only this arm / only the reference got right):",
+            "",
+            "| task | metric | arm | documents | difference | only arm / only reference |",
+            "|---|---|---|---:|---|---|",
+        ]
+        for row in paired:
+            lines.append(
+                f"| {row['task']} | {row['metric']} | {row['arm']} | {row['n']} | "
+                f"{row['difference']:+.4f} ± {row['stderr']:.4f} | {row['only_other']} / {row['only_reference']} |"
+            )
     (out / "comparison.md").write_text("\n".join(lines) + "\n")
     return table
+
+
+def _leaves(task: str, groups: dict[str, list[str]]) -> list[str]:
+    """A task's scored subtasks: itself, or a group's leaves (lm-eval's group_subtasks, nested)."""
+    if task not in groups or not groups[task]:
+        return [task]
+    return [leaf for sub in groups[task] for leaf in _leaves(sub, groups)]
+
+
+def _paired(arms: dict[str, dict[str, Any]], files: dict[str, Path], reference: str) -> list[dict[str, Any]]:
+    """Each arm against `reference` per top-level task and metric, on the documents both scored with the same
+    prompt; [] unless every arm has its per-document file."""
+    if not all(f.is_file() for f in files.values()):
+        return []
+    docs = {}
+    for label, f in files.items():
+        by_key: dict[tuple[str, int], dict[str, Any]] = {}
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            by_key[(row["task"], row["doc_id"])] = row
+        docs[label] = by_key
+    ref = arms[reference]
+    groups = ref.get("group_subtasks") or {}
+    out = []
+    for task in ref["metadata"]["tasks_run"]:
+        leaves = set(_leaves(task, groups))
+        ref_docs = {key: row for key, row in docs[reference].items() if key[0] in leaves}
+        metrics = sorted({m for row in ref_docs.values() for m in row if m not in _DOC_FIELDS})
+        for label in arms:
+            if label == reference:
+                continue
+            common = [
+                key
+                for key in ref_docs
+                if key in docs[label] and docs[label][key].get("prompt_hash") == ref_docs[key].get("prompt_hash")
+            ]
+            for metric in metrics:
+                keys = [k for k in common if metric in ref_docs[k] and metric in docs[label][k]]
+                if not keys:
+                    continue
+                stats = paired_difference([ref_docs[k][metric] for k in keys], [docs[label][k][metric] for k in keys])
+                out.append({"task": task, "metric": metric, "arm": label, **stats})
+    return out
 
 
 def _cell(entry: dict[str, float | None] | None) -> str:
