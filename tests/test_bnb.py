@@ -582,3 +582,47 @@ def test_int8_rounds_input_says_which_kernel_bitsandbytes_runs_and_the_meter_fol
     assert torch.equal(trained_lt, evaluated)
     assert rounds_lt and loss_lt == loss_in_eval
     close_all(units)
+
+
+def test_an_int8_units_impact_is_its_int8_output_minus_the_exact_one_on_either_path(tiny_llama_dir: Path) -> None:
+    # Under LLM.int8() (a GPU's numerics) the impact is 0.5 * N * sum((dL/dY)^2 (Y_int8 - Y)^2), Y the checkpoint
+    # weight's exact product; in recovery the INT8 output is recomputed on the rows, the same value. On bitsandbytes'
+    # CPU training kernel with a de-quantized recovery weight, cheap and exact are one product: nothing to recover.
+    from gnmr_hf.experiments.models import llm_int8_in_training
+    from gnmr_hf.impact import impacts
+
+    model = load_int8_lora(tiny_llama_dir)
+    units = find_units(model, "bnb_int8", backend_options="source=checkpoint")
+    unit = units[0]
+    module = unit.module
+    unit.impact.start(0, clock=lambda: 0)
+    x = torch.randn(5, module.in_features, generator=torch.Generator().manual_seed(0))
+    x[:, 3] = 20.0  # an outlier column: LLM.int8() runs it in 16 bits
+    module.train()
+
+    def measured() -> tuple[float, torch.Tensor]:
+        inp = x.clone().requires_grad_(True)
+        out = module(inp)
+        out.sum().backward()  # dL/dY = 1 everywhere
+        (value,) = impacts([unit.impact.take()], torch.device("cpu"))
+        return value.item(), out.detach()
+
+    with llm_int8_in_training():
+        cheap, out = measured()
+        unit.enter_recovery()
+        in_recovery, _ = measured()
+        unit.exit_recovery()
+    weight = load_file(tiny_llama_dir / "model.safetensors")[unit.name + ".weight"]
+    exact = F.linear(x, weight.float())
+    expected = 0.5 * 5 * (out - exact).square().sum().item()
+    assert cheap == pytest.approx(expected, rel=1e-4) and cheap > 0
+    assert in_recovery == pytest.approx(cheap, rel=1e-4)
+    close_all(units)
+
+    units = find_units(model, "bnb_int8", backend_options="source=dequantize")
+    unit = next(u for u in units if u.name == NAMES[0])
+    unit.impact.start(0, clock=lambda: 0)
+    module = unit.module
+    float_kernel, _ = measured()
+    assert float_kernel < 1e-9 * cheap
+    close_all(units)

@@ -63,6 +63,7 @@ class BnbUnit(SwitchedUnit):
     """
 
     weight_kind: ClassVar[str]  # for messages: "INT8", "4-bit"
+    measures_impact = True
 
     def __init__(self, name: str, module: nn.Module, ctx: DispatchContext) -> None:
         problem = self._unsupported(module)
@@ -104,6 +105,11 @@ class BnbUnit(SwitchedUnit):
         bias = 0 if self.module.bias is None else self.module.bias.numel()
         return (self.module.out_features * self.module.in_features + bias) * _RECOVERY_DTYPE.itemsize
 
+    def cheap_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self._module_forward(x, *args, **kwargs)
+        self._measure(x, out, cheap=True)
+        return out
+
     def recovery_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         weight = self._weight
         assert weight is not None
@@ -114,7 +120,44 @@ class BnbUnit(SwitchedUnit):
         with torch.autocast(device_type=x.device.type, enabled=False):
             flat = x.reshape(-1, x.shape[-1]).to(_RECOVERY_DTYPE)
             out = F.linear(flat, weight, None if bias is None else bias.to(_RECOVERY_DTYPE))
-        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+        out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+        self._measure(x, out, cheap=False)
+        return out
+
+    @torch.compiler.disable
+    def _measure(self, x: torch.Tensor, out: torch.Tensor, cheap: bool) -> None:
+        # Outside compiled code: whether a measure is due reads the optimizer step, which a graph must not guard on.
+        if self.impact.due:
+            self._offer_impact(x, out, cheap)
+
+    @torch.no_grad()
+    def _offer_impact(self, x: torch.Tensor, out: torch.Tensor, cheap: bool) -> None:
+        """The cheap path's change of the output on the impact meter's sample of rows (`gnmr_hf.impact`): the
+        module's own quantized forward minus the exact (fp32) product of the same input with the weight recovery is
+        built from (the checkpoint's as stored, or bitsandbytes' de-quantized one in fp32: with source="dequantize"
+        the weight's own rounding is not recovered, so it is not counted either), in the output's dtype so that its
+        own rounding cancels. Not against recovery's BF16 product: on bitsandbytes' CPU training kernel (the
+        de-quantized weight in an fp32 matmul) that would count recovery's own BF16 rounding as the cheap path's
+        cost. On the cheap path the cheap rows are the output's own; in recovery they are the module's forward on
+        the sampled rows alone, so LLM.int8()'s outlier columns are those of the sample, not of the batch (a column
+        above the threshold in a row left out runs in INT8 here). Whatever the kernel rounds is in it: the input
+        and the weight under LLM.int8(), the weight only under bitsandbytes' CPU training kernel
+        (`int8_rounds_input`)."""
+        x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+        index = self.impact.rows(x2)
+        x_rows = take_rows(x2, index)
+        if self.source == "checkpoint":
+            assert self._checkpoint is not None
+            weight = self._checkpoint.tensor(self.name + ".weight").to(x.device)
+        else:
+            weight = self._dequantize()
+        bias = self.module.bias
+        exact = F.linear(x_rows.float(), weight.float(), None if bias is None else bias.float())
+        if cheap:
+            low = take_rows(out2, index)
+        else:
+            low = self._module_forward(x_rows)
+        self.impact.offer(out, low.float() - exact.to(out.dtype).float(), index)
 
     def _enter(self) -> int:
         if self.source == "checkpoint" and self.tuner is not None and getattr(self.tuner, "merged", False):
