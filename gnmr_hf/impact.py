@@ -112,21 +112,26 @@ class ImpactMeter:
         n = x.numel() // max(x.shape[-1], 1) if x.dim() else 1
         return spread_rows(n, self.max_rows if count is None else count, step * 64 + self._draws, x.device)
 
-    def offer(self, output: torch.Tensor, delta: torch.Tensor, index: torch.Tensor | None) -> None:
+    def offer(
+        self, output: torch.Tensor, delta: torch.Tensor, index: torch.Tensor | None, rows_per_token: int = 1
+    ) -> None:
         """Measure on this output: `delta` ([R, F] float32) is the cheap path's change of the rows `index` of
         `output` (as [-1, F]; None: every row). The backward's dL/dY on those rows completes the measure; an output
-        that needs no gradient measures nothing."""
+        that needs no gradient measures nothing. `rows_per_token`: rows of `output` per token (an attention
+        output [B, T, heads, head_dim] has one per head), so that N counts tokens, not rows."""
         if not output.requires_grad:
             return
         n_rows = output.numel() // output.shape[-1]
         weight = delta.detach().float().square()
-        output.register_hook(functools.partial(self._on_grad, index, weight, n_rows))
+        output.register_hook(functools.partial(self._on_grad, index, weight, n_rows, rows_per_token))
 
-    def _on_grad(self, index: torch.Tensor | None, weight: torch.Tensor, n_rows: int, grad: torch.Tensor) -> None:
+    def _on_grad(
+        self, index: torch.Tensor | None, weight: torch.Tensor, n_rows: int, per_token: int, grad: torch.Tensor
+    ) -> None:
         """The backward's half of a measure: dL/dY on the sampled rows, weighted, scaled to every row, added."""
         g = take_rows(grad.detach(), index).float()
         part = (g.square() * weight).sum() * (n_rows / max(weight.shape[0], 1))
-        self._add(part, n_rows)
+        self._add(part, n_rows // per_token)
 
     def _add(self, part: torch.Tensor, n_rows: int) -> None:
         self._sum = part if self._sum is None else self._sum + part

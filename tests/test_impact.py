@@ -400,3 +400,53 @@ def test_a_resumed_impact_run_measures_and_decides_as_the_uninterrupted_one(tmp_
     assert [r["step"] for r in steps][-4:] == [5, 6, 7, 8]
     assert steps[-4:] == reference[4:]
     assert any(r["impact"]["estimate"] for r in reference[4:]) and any(r["active"] for r in reference[4:])
+
+
+def test_an_act_quant_attentions_impact_is_its_recomputed_attentions_output_change():
+    # The backward differentiates p_low v_low, p_low recomputed from the saved low-bit q, k with the exact
+    # logsumexp and the row cap: the impact is 0.5 * N * sum((dL/dO)^2 (p_low v_low - O)^2), N tokens (not rows of
+    # heads), on either path. Checked against the saved copies themselves (SaveSpec.save, then restore).
+    from gnmr_hf.backends.act_quant import attention as attn
+
+    model = tiny()
+    units = find_units(model, "act_quant", backend_options={"kinds": "attention", "low_bits": 3})
+    unit = units[0]
+    unit.impact.start(0, clock=lambda: 0)
+    seen = {}
+    apply = attn.QuantSavedAttention.apply
+
+    def recording(q, k, v, mask, is_causal, scaling, spec, *rest):
+        out = apply(q, k, v, mask, is_causal, scaling, spec, *rest)
+        if "q" not in seen:  # layer 0: the unit measured
+            seen.update(q=q.detach(), k=k.detach(), v=v.detach(), mask=mask, causal=is_causal, scaling=scaling)
+            out.register_hook(lambda g: seen.__setitem__("grad", g.detach()))
+            seen["out"] = out.detach()
+        return out
+
+    (batch,) = batches(1)
+    model.train()
+    values = []
+    for recover in (False, True):
+        seen.clear()
+        if recover:
+            unit.enter_recovery()
+        attn.QuantSavedAttention.apply = recording
+        try:
+            model(**batch).loss.backward()
+        finally:
+            attn.QuantSavedAttention.apply = apply
+        (value,) = impacts([unit.impact.take()], torch.device("cpu"))
+        values.append(value.item())
+    units.close()
+    spec = unit.cheap_spec()
+    q, k, v = (spec.restore(*spec.save(seen[x])).float() for x in ("q", "k", "v"))
+    s = attn._scores(seen["q"], seen["k"], seen["mask"], seen["causal"], seen["scaling"])
+    lse = torch.logsumexp(s, dim=-1)
+    logits = attn._scores(q, k, seen["mask"], seen["causal"], seen["scaling"])
+    p = torch.exp((logits - lse.unsqueeze(-1)).clamp(max=0.0))
+    p = attn._used_rows(p, unit.options.renormalize, unit.options.max_row_total)
+    delta = p @ v - seen["out"].float()
+    tokens = batch["input_ids"].numel()
+    expected = 0.5 * tokens * (seen["grad"].float().square() * delta.square()).sum().item()
+    assert values[0] == pytest.approx(expected, rel=1e-3) and expected > 0
+    assert values[1] == pytest.approx(values[0], rel=1e-3)  # the forward is exact on both paths

@@ -268,7 +268,10 @@ def act_quant_attention(
     out = QuantSavedAttention.apply(
         query, key, value, attention_mask, is_causal, scaling, spec, renormalize, probe, max_row_total
     )
-    return out.transpose(1, 2).contiguous(), None
+    result = out.transpose(1, 2).contiguous()
+    if isinstance(unit, ActQuantAttentionUnit) and torch.is_grad_enabled() and unit.impact.due:
+        unit.offer_impact(query, key, value, attention_mask, is_causal, scaling, out, result)
+    return result, None
 
 
 @functools.cache
@@ -314,6 +317,7 @@ class ActQuantAttentionUnit(_SavesActivations):
     gradients of its q, k and v projection weights."""
 
     kind = "attention"
+    measures_impact = True
     fidelity_bound = (
         "saved q, k, v at low_bits and the probabilities the backward recomputes from them, after its row cap: "
         "max(relative L2 error / 2, row-sum bias / 0.1, mean |row sum - 1| / 0.1)"
@@ -385,6 +389,53 @@ class ActQuantAttentionUnit(_SavesActivations):
         lse = torch.where(torch.isneginf(lse), 0.0, lse)
         p = _recomputed_probabilities(q_low, _repeat_kv(k_low, groups), lse, mask, is_causal, scaling, positions, t)
         return [*operands, row_totals(_used_rows(p, self.options.renormalize, self.options.max_row_total))]
+
+    @torch.no_grad()
+    def offer_impact(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+        scaling: float,
+        out: torch.Tensor,
+        result: torch.Tensor,
+    ) -> None:
+        """The output change the backward acts on (`gnmr_hf.impact`), as for a linear: the backward's gradients
+        are the exact ones of the attention recomputed from the saved copies, p_low v_low with p_low the
+        probabilities it recomputes from the low_bits q and k, the exact logsumexp and its row cap. So `delta` is
+        that attention's output minus the exact one, at the query positions sampled (`impact.max_rows` rows over
+        batch and heads; all when 0), every key and value rounded; weighted by dL/d(attention output). On either
+        path: the forward is exact on both, so recovery's measure is the cheap path's. `out` is [B, H, T, d], the
+        function's result `result` its [B, T, H, d] transpose (one row per token and head)."""
+        spec = self.cheap_spec()
+        b, h, t, d = q.shape
+        per_head = -(-self.impact.max_rows // (b * h)) if self.impact.max_rows else 0
+        positions = self.impact.rows(q[0, 0], per_head)  # query positions: the rows of one head's q
+        if positions is None:
+            positions = torch.arange(t, device=q.device)
+        n = positions.numel()
+        q_rows = (torch.arange(b * h, device=q.device).unsqueeze(-1) * t + positions).reshape(-1)
+        q_low = spec.restore_rows(q, q_rows).reshape(b, h, n, d)
+        groups = h // k.shape[1]
+        k_low, v_low = _repeat_kv(spec.rounded_copy(k), groups), _repeat_kv(spec.rounded_copy(v), groups)
+        exact = _scores(q.index_select(2, positions), _repeat_kv(k, groups), mask, is_causal, scaling, positions, t)
+        lse = torch.logsumexp(exact, dim=-1)
+        lse = torch.where(torch.isneginf(lse), 0.0, lse)
+        p_low = _used_rows(
+            _recomputed_probabilities(q_low, k_low, lse, mask, is_causal, scaling, positions, t),
+            self.options.renormalize,
+            self.options.max_row_total,
+        )
+        cheap = torch.matmul(p_low, v_low.float())
+        delta = cheap - out.index_select(2, positions).float()  # [B, H, n, d]
+        # The rows of `result` ([B, T, H, d] as [-1, d]) that delta's [B, n, H] order covers.
+        index = (
+            (torch.arange(b, device=q.device).view(b, 1, 1) * t + positions.view(1, n, 1)) * h
+            + torch.arange(h, device=q.device).view(1, 1, h)
+        ).reshape(-1)
+        self.impact.offer(result, delta.transpose(1, 2).reshape(-1, d), index, rows_per_token=h)
 
     def _close(self) -> None:
         self.module.__dict__.pop(_ATTENTION_UNIT, None)
