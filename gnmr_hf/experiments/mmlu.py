@@ -30,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 __all__ = [
+    "MMLU_CONTINUATION_GROUP",
     "MMLU_DATA_SHA256",
     "MMLU_GROUP",
     "MMLU_QUESTIONS",
@@ -51,6 +52,10 @@ MMLU_DATA_SHA256 = "9f954bf40f4d38d2e49ca20ebc2025ec6cd50510717adb511d075bbd5199
 MMLU_QUESTIONS = 14042
 MMLU_SUBJECTS = 57
 MMLU_GROUP = "gnmr_mmlu"  # shown as `mmlu` (group_alias); its own name keeps it apart from lm-eval's Hub task
+# lm-eval's `mmlu_continuation` (the "cloze" form: each answer's text scored after "Question: ...\nAnswer:", no
+# letters), on the same questions; shown as `mmlu (continuation)`. A small model that cannot map an answer to its
+# letter (SmolLM2-135M: 23.8% 0-shot on the letters, chance) is scored on what it knows of the answers themselves.
+MMLU_CONTINUATION_GROUP = "gnmr_cloze_mmlu"
 _LETTERS = "ABCD"
 _FORMAT = 1  # bump when the written task files change, so that an old cache is rewritten
 
@@ -113,7 +118,8 @@ def read_mmlu(wheel: str | os.PathLike[str] | None = None) -> list[dict]:
 
 
 def write_mmlu_tasks(folder: str | os.PathLike[str], data_dir: str | os.PathLike[str] | None = None) -> list[str]:
-    """Write one lm-eval task per subject and the group `gnmr_mmlu` into `folder`; return the subject names.
+    """Write one lm-eval task per subject and the group `gnmr_mmlu` into `folder`, and the same in lm-eval's
+    continuation form (`gnmr_cloze_mmlu`, lm-eval's `mmlu_continuation`); return the subject names.
 
     The per-subject JSONL files go to `data_dir` (default `cache_dir()/mmlu_test`) once and are reused.
     """
@@ -147,6 +153,21 @@ def write_mmlu_tasks(folder: str | os.PathLike[str], data_dir: str | os.PathLike
         f"group: {MMLU_GROUP}\ngroup_alias: mmlu\ntask:\n{tasks}"
         "aggregate_metric_list:\n  - metric: acc\n    weight_by_size: true\nmetadata:\n  version: 2\n"
     )
+    cloze = MMLU_CONTINUATION_GROUP
+    (folder / f"_{cloze}_template_yaml").write_text(_CONTINUATION_TEMPLATE)
+    for subject in subjects:
+        path = json.dumps(str((data_dir / f"{subject}.jsonl").resolve()))
+        description = json.dumps(f"The following are questions (with answers) about {subject.replace('_', ' ')}.\n\n")
+        (folder / f"{cloze}_{subject}.yaml").write_text(
+            f"include: _{cloze}_template_yaml\ntask: {cloze}_{subject}\ntask_alias: {subject}\n"
+            f"description: {description}\ndataset_kwargs:\n  data_files:\n    test: {path}\n"
+        )
+    tasks = "".join(f"  - {cloze}_{s}\n" for s in subjects)
+    (folder / f"{cloze}.yaml").write_text(
+        f"group: {cloze}\ngroup_alias: mmlu (continuation)\ntask:\n{tasks}"
+        "aggregate_metric_list:\n  - metric: acc\n    weight_by_size: true\n"
+        "  - metric: acc_norm\n    weight_by_size: true\nmetadata:\n  version: 2\n"
+    )
     return subjects
 
 
@@ -164,6 +185,20 @@ metric_list:
   - metric: acc
     aggregation: mean
     higher_is_better: true
+metadata:
+  version: 1.0
+"""
+)
+
+# lm-eval's lm_eval/tasks/mmlu/continuation/_continuation_template_yaml, field for field, but for the data source and
+# the few-shot split (as above). No metric_list: lm-eval's multiple-choice defaults, acc and acc_norm.
+_CONTINUATION_TEMPLATE = (
+    "dataset_path: json\ntest_split: test\nfewshot_split: test\nfewshot_config:\n  sampler: first_n\n"
+    "output_type: multiple_choice\n"
+    'doc_to_text: "Question: {{question.strip()}}\\nAnswer:"\n'
+    """\
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
 metadata:
   version: 1.0
 """
