@@ -146,13 +146,8 @@ class BnbUnit(SwitchedUnit):
         x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
         index = self.impact.rows(x2)
         x_rows = take_rows(x2, index)
-        if self.source == "checkpoint":
-            assert self._checkpoint is not None
-            weight = self._checkpoint.tensor(self.name + ".weight").to(x.device)
-        else:
-            weight = self._dequantize()
         bias = self.module.bias
-        exact = F.linear(x_rows.float(), weight.float(), None if bias is None else bias.float())
+        exact = F.linear(x_rows.float(), self._source_weight().float(), None if bias is None else bias.float())
         if cheap:
             low = take_rows(out2, index)
         else:
@@ -173,11 +168,16 @@ class BnbUnit(SwitchedUnit):
 
     @torch.no_grad()
     def _materialize(self) -> torch.Tensor:
+        return self._source_weight().to(_RECOVERY_DTYPE)
+
+    @torch.no_grad()
+    def _source_weight(self) -> torch.Tensor:
+        """The full-precision weight recovery is built from, on the module's device: the checkpoint's as stored, or
+        bitsandbytes' de-quantized one."""
         if self.source == "checkpoint":
             assert self._checkpoint is not None
-            weight = self._checkpoint.tensor(self.name + ".weight")
-            return weight.to(device=self.module.weight.device, dtype=_RECOVERY_DTYPE)
-        return self._dequantize().to(_RECOVERY_DTYPE)
+            return self._checkpoint.tensor(self.name + ".weight").to(self.module.weight.device)
+        return self._dequantize()
 
     @abstractmethod
     def _dequantize(self) -> torch.Tensor:

@@ -102,6 +102,8 @@ MMLU_NOTE = (
     "(gnmr_hf.experiments.mmlu), lm-eval's prompt and acc metric; k-shot examples are the same subject's first test "
     "questions, never the question itself (lm-eval's mmlu takes them from the dev split, which the copy lacks)."
 )
+# The local MMLU forms (letters, continuation): real MMLU questions, said as such wherever they stand in.
+_MMLU_GROUPS = (MMLU_GROUP, MMLU_CONTINUATION_GROUP)
 
 
 def _mmlu_note(asked: str, run: str) -> str:
@@ -445,9 +447,7 @@ def evaluate_model(
         if task_manager is None:
             from lm_eval.tasks import TaskManager
 
-            write_local_tasks(
-                local_dir, perplexity_file, mmlu=bool({MMLU_GROUP, MMLU_CONTINUATION_GROUP} & set(plan.values()))
-            )
+            write_local_tasks(local_dir, perplexity_file, mmlu=bool(set(_MMLU_GROUPS) & set(plan.values())))
             task_manager = TaskManager(include_path=[str(local_dir), *user_paths])
         # Task names are checked before the model is loaded: a typo should not cost a 13B load.
         _check_known(list(plan.values()), task_manager)
@@ -573,7 +573,7 @@ def _paths(include_path: Any) -> list[str]:
 
 def _log_plan(plan: dict[str, str], reason: str | None, shots: dict[str, int | None]) -> None:
     for asked, run in plan.items():
-        if asked != run and run in (MMLU_GROUP, MMLU_CONTINUATION_GROUP):
+        if asked != run and run in _MMLU_GROUPS:
             logger.warning("Offline (%s): %s", reason, _mmlu_note(asked, run))
         elif asked != run:
             logger.warning(
@@ -601,7 +601,7 @@ def _check_known(names: list[str], task_manager: TaskManager) -> None:
     for name in unknown:
         close = difflib.get_close_matches(name, sorted(known), n=5)
         hints.append(f"{name!r} (close: {', '.join(close)})" if close else repr(name))
-    subjects = (f"{MMLU_GROUP}_", f"{MMLU_CONTINUATION_GROUP}_")  # one task per MMLU subject: listed as their group
+    subjects = tuple(f"{group}_" for group in _MMLU_GROUPS)  # one task per MMLU subject: listed as their group
     local = sorted(n for n in known if n.startswith("gnmr_") and not n.startswith(subjects))
     raise ValueError(
         f"tasks: unknown task {'; '.join(hints)}. The defaults are {', '.join(DEFAULT_TASKS)}; the local tasks are "
@@ -652,7 +652,7 @@ def write_results(results: dict[str, Any], output_dir: str | os.PathLike[str]) -
         "",
     ]
     for asked, run in meta["task_map"].items():
-        if asked != run and run in (MMLU_GROUP, MMLU_CONTINUATION_GROUP):
+        if asked != run and run in _MMLU_GROUPS:
             lines += [f"`{asked}` ran as `{run}`: {_mmlu_note(asked, run)}", ""]
         elif asked != run:
             lines += [f"`{asked}` ran as the local look-alike `{run}`: these are not {asked} numbers.", ""]
@@ -758,17 +758,16 @@ def compare_results(
     ]
     if reference is not None and reference not in labels:
         raise ValueError(f"reference={reference!r} must be one of the arms' names {labels}")
+    reference = reference or labels[0]
     paired = _paired(
-        arms,
-        {label: f.parent / PER_DOCUMENT_FILE for label, f in zip(labels, files, strict=True)},
-        reference or labels[0],
+        arms, {label: f.parent / PER_DOCUMENT_FILE for label, f in zip(labels, files, strict=True)}, reference
     )
     table = {
         "arms": labels,
         "sources": [str(f) for f in files],
         "differ_in": differ,
         "rows": [{"task": task, "metric": key, "arms": values} for (task, key), values in rows.items()],
-        "reference": reference or labels[0],
+        "reference": reference,
         "paired": paired,
     }
     out = Path(output_dir)

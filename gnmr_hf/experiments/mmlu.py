@@ -138,37 +138,34 @@ def write_mmlu_tasks(folder: str | os.PathLike[str], data_dir: str | os.PathLike
         stamp.write_text(json.dumps(subjects))
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "_gnmr_mmlu_template_yaml").write_text(_TEMPLATE)
-    for subject in subjects:
-        path = json.dumps(str((data_dir / f"{subject}.jsonl").resolve()))
-        description = json.dumps(
-            f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
-        )
-        (folder / f"{MMLU_GROUP}_{subject}.yaml").write_text(
-            f"include: _gnmr_mmlu_template_yaml\ntask: {MMLU_GROUP}_{subject}\ntask_alias: {subject}\n"
-            f"description: {description}\ndataset_kwargs:\n  data_files:\n    test: {path}\n"
-        )
-    tasks = "".join(f"  - {MMLU_GROUP}_{s}\n" for s in subjects)
-    (folder / f"{MMLU_GROUP}.yaml").write_text(
-        f"group: {MMLU_GROUP}\ngroup_alias: mmlu\ntask:\n{tasks}"
-        "aggregate_metric_list:\n  - metric: acc\n    weight_by_size: true\nmetadata:\n  version: 2\n"
-    )
-    cloze = MMLU_CONTINUATION_GROUP
-    (folder / f"_{cloze}_template_yaml").write_text(_CONTINUATION_TEMPLATE)
-    for subject in subjects:
-        path = json.dumps(str((data_dir / f"{subject}.jsonl").resolve()))
-        description = json.dumps(f"The following are questions (with answers) about {subject.replace('_', ' ')}.\n\n")
-        (folder / f"{cloze}_{subject}.yaml").write_text(
-            f"include: _{cloze}_template_yaml\ntask: {cloze}_{subject}\ntask_alias: {subject}\n"
-            f"description: {description}\ndataset_kwargs:\n  data_files:\n    test: {path}\n"
-        )
-    tasks = "".join(f"  - {cloze}_{s}\n" for s in subjects)
-    (folder / f"{cloze}.yaml").write_text(
-        f"group: {cloze}\ngroup_alias: mmlu (continuation)\ntask:\n{tasks}"
-        "aggregate_metric_list:\n  - metric: acc\n    weight_by_size: true\n"
-        "  - metric: acc_norm\n    weight_by_size: true\nmetadata:\n  version: 2\n"
-    )
+    paths = {subject: json.dumps(str((data_dir / f"{subject}.jsonl").resolve())) for subject in subjects}
+    _write_group(folder, MMLU_GROUP, "mmlu", _TEMPLATE, "multiple choice questions", paths, ("acc",))
+    _write_group(
+        folder, MMLU_CONTINUATION_GROUP, "mmlu (continuation)", _CONTINUATION_TEMPLATE, "questions", paths,
+        ("acc", "acc_norm"),
+    )  # fmt: skip
     return subjects
+
+
+def _write_group(
+    folder: Path, group: str, alias: str, template: str, what: str, paths: dict[str, str], metrics: tuple[str, ...]
+) -> None:
+    """One form of MMLU as lm-eval tasks: `template` (`_{group}_template_yaml`), a task per subject reading its JSONL
+    file (`paths`, JSON-quoted) under lm-eval's description ("The following are {what} (with answers) about ..."),
+    and the group, `metrics` aggregated weighted by size as lm-eval's own MMLU groups do."""
+    (folder / f"_{group}_template_yaml").write_text(template)
+    for subject, path in paths.items():
+        description = json.dumps(f"The following are {what} (with answers) about {subject.replace('_', ' ')}.\n\n")
+        (folder / f"{group}_{subject}.yaml").write_text(
+            f"include: _{group}_template_yaml\ntask: {group}_{subject}\ntask_alias: {subject}\n"
+            f"description: {description}\ndataset_kwargs:\n  data_files:\n    test: {path}\n"
+        )
+    tasks = "".join(f"  - {group}_{s}\n" for s in paths)
+    aggregates = "".join(f"  - metric: {m}\n    weight_by_size: true\n" for m in metrics)
+    (folder / f"{group}.yaml").write_text(
+        f"group: {group}\ngroup_alias: {alias}\ntask:\n{tasks}aggregate_metric_list:\n{aggregates}"
+        "metadata:\n  version: 2\n"
+    )
 
 
 # lm-eval's lm_eval/tasks/mmlu/default/_default_template_yaml, field for field, but for the data source and the

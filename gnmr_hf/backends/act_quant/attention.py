@@ -368,13 +368,8 @@ class ActQuantAttentionUnit(_SavesActivations):
         positions sampled (`meter.max_rows` rows over batch and heads; all when 0). One extra QK^T per recovered unit,
         on those rows."""
         spec = self.cheap_spec()
-        b, h, t, d = q.shape
-        per_head = -(-self.meter.max_rows // (b * h)) if self.meter.max_rows else 0
-        positions = self.meter.rows(q[0, 0], per_head)  # query positions: the rows of one head's q
-        q_rows = None
-        if positions is not None:
-            q_rows = (torch.arange(b * h, device=q.device).unsqueeze(-1) * t + positions).reshape(-1)
-        q_low = spec.restore_rows(q, q_rows).reshape(b, h, -1, d)
+        d = q.shape[-1]
+        positions, q_rows, q_low = self._sampled_queries(q, self.meter.max_rows, self.meter.rows)
         k_low = spec.rounded_copy(k)  # every key: the probabilities' rows sum over all of them
         k_rows = self.meter.rows(k)
         operands = [
@@ -382,13 +377,8 @@ class ActQuantAttentionUnit(_SavesActivations):
             operand_stats(take_rows(k, k_rows), take_rows(k_low, k_rows)),
             spec.stats(v, rows=self.meter.rows(v)),
         ]
-        groups = h // k.shape[1]
-        q_exact = q if positions is None else q.index_select(2, positions)
-        exact = _scores(q_exact, _repeat_kv(k, groups), mask, is_causal, scaling, positions, t)
-        lse = torch.logsumexp(exact, dim=-1)
-        lse = torch.where(torch.isneginf(lse), 0.0, lse)
-        p = _recomputed_probabilities(q_low, _repeat_kv(k_low, groups), lse, mask, is_causal, scaling, positions, t)
-        return [*operands, row_totals(_used_rows(p, self.options.renormalize, self.options.max_row_total))]
+        p = self._cheap_probabilities(q, q_low, k, k_low, mask, is_causal, scaling, positions)
+        return [*operands, row_totals(p)]
 
     @torch.no_grad()
     def offer_impact(
@@ -411,23 +401,12 @@ class ActQuantAttentionUnit(_SavesActivations):
         function's result `result` its [B, T, H, d] transpose (one row per token and head)."""
         spec = self.cheap_spec()
         b, h, t, d = q.shape
-        per_head = -(-self.impact.max_rows // (b * h)) if self.impact.max_rows else 0
-        positions = self.impact.rows(q[0, 0], per_head)  # query positions: the rows of one head's q
+        positions, _, q_low = self._sampled_queries(q, self.impact.max_rows, self.impact.rows)
+        p_low = self._cheap_probabilities(q, q_low, k, spec.rounded_copy(k), mask, is_causal, scaling, positions)
+        v_low = _repeat_kv(spec.rounded_copy(v), h // k.shape[1])
         if positions is None:
             positions = torch.arange(t, device=q.device)
         n = positions.numel()
-        q_rows = (torch.arange(b * h, device=q.device).unsqueeze(-1) * t + positions).reshape(-1)
-        q_low = spec.restore_rows(q, q_rows).reshape(b, h, n, d)
-        groups = h // k.shape[1]
-        k_low, v_low = _repeat_kv(spec.rounded_copy(k), groups), _repeat_kv(spec.rounded_copy(v), groups)
-        exact = _scores(q.index_select(2, positions), _repeat_kv(k, groups), mask, is_causal, scaling, positions, t)
-        lse = torch.logsumexp(exact, dim=-1)
-        lse = torch.where(torch.isneginf(lse), 0.0, lse)
-        p_low = _used_rows(
-            _recomputed_probabilities(q_low, k_low, lse, mask, is_causal, scaling, positions, t),
-            self.options.renormalize,
-            self.options.max_row_total,
-        )
         cheap = torch.matmul(p_low, v_low.float())
         delta = cheap - out.index_select(2, positions).float()  # [B, H, n, d]
         # The rows of `result` ([B, T, H, d] as [-1, d]) that delta's [B, n, H] order covers.
@@ -436,6 +415,42 @@ class ActQuantAttentionUnit(_SavesActivations):
             + torch.arange(h, device=q.device).view(1, 1, h)
         ).reshape(-1)
         self.impact.offer(result, delta.transpose(1, 2).reshape(-1, d), index, rows_per_token=h)
+
+    def _sampled_queries(
+        self, q: torch.Tensor, max_rows: int, rows: Any
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """The query positions a measure reads (`rows`, a meter's row sampler, drawing `max_rows` rows over batch and
+        heads, as positions of one head's q; None: all), their rows of q as [-1, d] (None: all), and those rows as
+        the cheap path saves them, [B, H, positions, d]."""
+        b, h, t, d = q.shape
+        per_head = -(-max_rows // (b * h)) if max_rows else 0
+        positions = rows(q[0, 0], per_head)
+        q_rows = None
+        if positions is not None:
+            q_rows = (torch.arange(b * h, device=q.device).unsqueeze(-1) * t + positions).reshape(-1)
+        return positions, q_rows, self.cheap_spec().restore_rows(q, q_rows).reshape(b, h, -1, d)
+
+    def _cheap_probabilities(
+        self,
+        q: torch.Tensor,
+        q_low: torch.Tensor,
+        k: torch.Tensor,
+        k_low: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+        scaling: float,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The probabilities the cheap path's backward uses at `positions` (all when None): recomputed from the
+        low_bits q (`q_low`, those positions) and k (`k_low`, every key) with the exact logsumexp, after its row
+        cap, exactly as `QuantSavedAttention.backward` does."""
+        groups, t = q.shape[1] // k.shape[1], q.shape[2]
+        q_exact = q if positions is None else q.index_select(2, positions)
+        exact = _scores(q_exact, _repeat_kv(k, groups), mask, is_causal, scaling, positions, t)
+        lse = torch.logsumexp(exact, dim=-1)
+        lse = torch.where(torch.isneginf(lse), 0.0, lse)
+        p = _recomputed_probabilities(q_low, _repeat_kv(k_low, groups), lse, mask, is_causal, scaling, positions, t)
+        return _used_rows(p, self.options.renormalize, self.options.max_row_total)
 
     def _close(self) -> None:
         self.module.__dict__.pop(_ATTENTION_UNIT, None)
