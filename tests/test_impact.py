@@ -450,3 +450,36 @@ def test_an_act_quant_attentions_impact_is_its_recomputed_attentions_output_chan
     expected = 0.5 * tokens * (seen["grad"].float().square() * delta.square()).sum().item()
     assert values[0] == pytest.approx(expected, rel=1e-3) and expected > 0
     assert values[1] == pytest.approx(values[0], rel=1e-3)  # the forward is exact on both paths
+
+
+def _attention_impacts(micro_batches: list[dict], **checkpointing) -> torch.Tensor:
+    model = tiny()
+    units = find_units(model, "act_quant", backend_options={"kinds": "attention", "low_bits": 3})
+    for unit in units:
+        unit.impact.start(0, clock=lambda: 0)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    model.train()
+    for batch in micro_batches:
+        (model(**batch).loss / len(micro_batches)).backward()
+    value = impacts([u.impact.take() for u in units], torch.device("cpu"))
+    units.close()
+    return value
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_attention_units_measure_each_forward_once_under_gradient_checkpointing(reentrant):
+    (batch,) = batches(1, size=4)
+    plain = _attention_impacts([batch])
+    assert bool((plain > 0).all())
+    torch.testing.assert_close(_attention_impacts([batch], use_reentrant=reentrant), plain, rtol=1e-4, atol=1e-9)
+
+
+def test_attention_units_under_accumulation_measure_the_mean_of_their_micro_batches():
+    # Per-tensor scales make each micro-batch round on its own, so the whole batch is not the reference here; each
+    # half measured alone is: accumulation halves each gradient (a quarter of each sum) and counts both halves'
+    # tokens, 0.5 * 2n * (S1 + S2) / 4 = the mean of the halves' own 0.5 * n * S_i.
+    (batch,) = batches(1, size=4)
+    halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
+    alone = torch.stack([_attention_impacts([half]) for half in halves])
+    torch.testing.assert_close(_attention_impacts(halves), alone.mean(0), rtol=1e-4, atol=1e-9)
