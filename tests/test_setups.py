@@ -426,3 +426,35 @@ def test_two_gnmr_callbacks_in_one_trainer_are_refused(tiny_llama_dir, dataset, 
     trainer.add_callback(GNMRCallback(GNMRConfig(**CFG)))
     with pytest.raises(ValueError, match="more than one GNMRCallback"):
         trainer.train()
+
+
+def test_bnb_impact_measures_under_torch_compile_as_in_eager_without_recompiling(tiny_llama_dir):
+    # Whether a measure is due reads the optimizer step outside compiled code, so the units' turns never recompile,
+    # and compiled and eager runs measure the same units the same amounts.
+    from torch._dynamo.utils import counters
+
+    from gnmr_hf.experiments.tiny import load_int8_lora
+    from gnmr_hf.impact import impacts
+
+    torch._dynamo.reset()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs, step = [], [0]
+    for compile_it in (False, True):
+        model = load_int8_lora(tiny_llama_dir)
+        units = find_units(model, "bnb_int8", backend_options="source=dequantize")
+        for i, unit in enumerate(units):
+            unit.impact.start(0, clock=lambda: step[0], every=2, phase=i)
+        run = torch.compile(model) if compile_it else model
+        measured = []
+        for step[0] in range(6):
+            run(input_ids=x, labels=x).loss.backward()
+            if compile_it and step[0] == 2:
+                graphs = counters["stats"]["unique_graphs"]
+            measured.append(impacts([u.impact.take() for u in units], torch.device("cpu")))
+        runs.append(torch.stack(measured))
+        for unit in units:
+            unit.close()
+    assert counters["stats"]["unique_graphs"] == graphs  # the turns and the measures recompile nothing
+    eager, compiled = runs
+    assert bool((~eager.isnan()).any(dim=1).all())  # every step measures some units, in turns
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-9, equal_nan=True)
