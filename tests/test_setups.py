@@ -441,7 +441,7 @@ def test_bnb_impact_measures_under_torch_compile_as_in_eager_without_recompiling
     runs, step = [], [0]
     for compile_it in (False, True):
         model = load_int8_lora(tiny_llama_dir)
-        units = find_units(model, "bnb_int8", backend_options="source=dequantize")
+        units = find_units(model, "bnb_int8", backend_options="source=checkpoint")  # INT8 weights vs exact
         for i, unit in enumerate(units):
             unit.impact.start(0, clock=lambda: step[0], every=2, phase=i)
         run = torch.compile(model) if compile_it else model
@@ -457,4 +457,5 @@ def test_bnb_impact_measures_under_torch_compile_as_in_eager_without_recompiling
     assert counters["stats"]["unique_graphs"] == graphs  # the turns and the measures recompile nothing
     eager, compiled = runs
     assert bool((~eager.isnan()).any(dim=1).all())  # every step measures some units, in turns
+    assert bool((eager.nan_to_num() > 0).any())  # the INT8 weights' error, not zeros
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-9, equal_nan=True)
