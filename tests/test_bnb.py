@@ -626,3 +626,53 @@ def test_an_int8_units_impact_is_its_int8_output_minus_the_exact_one_on_either_p
     float_kernel, _ = measured()
     assert float_kernel < 1e-9 * cheap
     close_all(units)
+
+
+def _int8_impacts(path: Path, micro_batches: list[torch.Tensor], llm_int8: bool, **checkpointing) -> torch.Tensor:
+    """Every INT8 unit's impact over one optimizer step of `micro_batches` (a mean loss each, divided by their count),
+    the units measuring every row, under gradient checkpointing with `checkpointing`'s kwargs if any."""
+    import contextlib
+
+    from gnmr_hf.experiments.models import llm_int8_in_training
+    from gnmr_hf.impact import impacts
+
+    model = load_int8_lora(path)
+    randomize_lora_b(model)
+    units = find_units(model, "bnb_int8", backend_options="source=checkpoint")
+    for unit in units:
+        unit.impact.start(0, clock=lambda: 0)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        model.enable_input_require_grads()  # a reentrant checkpoint passes gradients only to inputs that need them
+    model.train()
+    with llm_int8_in_training() if llm_int8 else contextlib.nullcontext():
+        for ids in micro_batches:
+            (model(input_ids=ids, labels=ids).loss / len(micro_batches)).backward()
+    value = impacts([u.impact.take() for u in units], torch.device("cpu"))
+    close_all(units)
+    return value
+
+
+@pytest.mark.parametrize("llm_int8", [False, True], ids=["cpu_kernel", "llm_int8"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_int8_units_measure_each_forward_once_under_gradient_checkpointing(
+    tiny_llama_dir: Path, llm_int8: bool, reentrant: bool
+) -> None:
+    # The checkpointed forward runs twice (once more in the backward); a unit measures the forward whose output the
+    # gradient flows through, once: the same impacts as without checkpointing, on both bitsandbytes kernels.
+    ids = token_ids(3, batch=2, length=16)
+    plain = _int8_impacts(tiny_llama_dir, [ids], llm_int8)
+    assert bool((plain > 0).all()) and plain.numel() == len(NAMES)
+    checkpointed = _int8_impacts(tiny_llama_dir, [ids], llm_int8, use_reentrant=reentrant)
+    torch.testing.assert_close(checkpointed, plain, rtol=1e-4, atol=1e-12)
+
+
+@pytest.mark.parametrize("llm_int8", [False, True], ids=["cpu_kernel", "llm_int8"])
+def test_int8_units_under_accumulation_measure_the_mean_of_their_micro_batches(tiny_llama_dir: Path, llm_int8: bool):
+    # LLM.int8() picks its outlier columns per forward, so each micro-batch rounds on its own: the reference is each
+    # half measured alone. Accumulation halves each gradient (a quarter of each sum) and counts both halves' tokens,
+    # 0.5 * 2n * (S1 + S2) / 4 = the mean of the halves' own 0.5 * n * S_i.
+    ids = token_ids(4, batch=4, length=16)
+    halves = [ids[:2], ids[2:]]
+    alone = torch.stack([_int8_impacts(tiny_llama_dir, [half], llm_int8) for half in halves])
+    torch.testing.assert_close(_int8_impacts(tiny_llama_dir, halves, llm_int8), alone.mean(0), rtol=1e-4, atol=1e-12)

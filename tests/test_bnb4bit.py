@@ -297,3 +297,32 @@ def test_trainer_moves_the_spiked_4bit_unit_at_the_next_step_within_the_memory_b
     ledger = gnmr.units[0].ledger
     assert 0 < ledger.peak_bytes <= CFG["max_active"] * max(unit.recovery_bytes() for unit in gnmr.units)
     assert ledger.live_bytes == 0
+
+
+@pytest.mark.parametrize("reentrant", [None, False, True], ids=["plain", "non_reentrant", "reentrant"])
+def test_every_4bit_unit_measures_its_impact_the_first_layers_too_and_once_under_checkpointing(
+    tiny_llama_dir: Path, reentrant: bool | None
+) -> None:
+    # The first layer's q/k/v base outputs need no gradient under QLoRA (frozen weights, frozen embeddings), yet the
+    # loss moves with them through the adapter's sum: every unit measures, each forward once, as without checkpoints.
+    from gnmr_hf.impact import impacts
+
+    def measured(checkpointing: dict | None) -> torch.Tensor:
+        model = load(tiny_llama_dir)
+        randomize_lora_b(model)
+        units = find_units(model, "bnb_4bit", backend_options="source=checkpoint")
+        for unit in units:
+            unit.impact.start(0, clock=lambda: 0)
+        if checkpointing is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+            model.enable_input_require_grads()
+        ids = token_ids(5, batch=2, length=16)
+        model(input_ids=ids, labels=ids).loss.backward()
+        value = impacts([u.impact.take() for u in units], torch.device("cpu"))
+        close_all(units)
+        return value
+
+    plain = measured(None)
+    assert plain.numel() == len(NAMES) and bool((plain > 0).all()), plain
+    if reentrant is not None:
+        torch.testing.assert_close(measured({"use_reentrant": reentrant}), plain, rtol=1e-4, atol=1e-12)

@@ -107,8 +107,7 @@ class BnbUnit(SwitchedUnit):
 
     def cheap_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self._module_forward(x, *args, **kwargs)
-        self._measure(x, out, cheap=True)
-        return out
+        return self._measure(x, out, cheap=True)
 
     def recovery_forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         weight = self._weight
@@ -121,14 +120,20 @@ class BnbUnit(SwitchedUnit):
             flat = x.reshape(-1, x.shape[-1]).to(_RECOVERY_DTYPE)
             out = F.linear(flat, weight, None if bias is None else bias.to(_RECOVERY_DTYPE))
         out = out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
-        self._measure(x, out, cheap=False)
-        return out
+        return self._measure(x, out, cheap=False)
 
     @torch.compiler.disable
-    def _measure(self, x: torch.Tensor, out: torch.Tensor, cheap: bool) -> None:
+    def _measure(self, x: torch.Tensor, out: torch.Tensor, cheap: bool) -> torch.Tensor:
         # Outside compiled code: whether a measure is due reads the optimizer step, which a graph must not guard on.
-        if self.impact.due:
-            self._offer_impact(x, out, cheap)
+        if not self.impact.due:
+            return out
+        if not out.requires_grad:
+            # A frozen base weight on an input that needs no gradient (the first layer's projections under LoRA):
+            # the base output carries no gradient, yet dL/dY reaches it through the adapter's sum. On a measuring
+            # step it becomes a leaf that takes one, so the meter's hook reads it; nothing upstream needed one.
+            out = out.detach().requires_grad_()
+        self._offer_impact(x, out, cheap)
+        return out
 
     @torch.no_grad()
     def _offer_impact(self, x: torch.Tensor, out: torch.Tensor, cheap: bool) -> None:
