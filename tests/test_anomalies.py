@@ -22,7 +22,7 @@ from gnmr_hf.experiments.pretrain import (
 )
 from gnmr_hf.trace import read_trace
 
-from trainer_utils import load_recipe
+from trainer_utils import load_recipe, load_script
 
 SOURCE = "def f(x, y):\n    return x + y  # add\n\n\nclass A:\n    pass\n" * 40
 
@@ -163,8 +163,6 @@ def test_mark_step_refuses_what_it_cannot_write():
 
 
 def test_the_analysis_finds_the_anomalous_steps_and_what_broke_on_them(tmp_path, capsys):
-    from trainer_utils import load_script
-
     common = ["--preset", "tiny", "--max_steps", "36", "--eval_steps", "36", "--plot", "false", "--logging_steps", "1",
               "--backend_options", "low_format=e2m1,high_format=e4m3", "--anomalies", "repeat,digits",
               "--anomaly_every", "9"]  # fmt: skip
@@ -199,7 +197,6 @@ def test_the_analysis_finds_the_anomalous_steps_and_what_broke_on_them(tmp_path,
 
 
 def test_the_analysis_refuses_a_run_it_cannot_read(tmp_path):
-    from trainer_utils import load_script
 
     analysis = load_script("benchmarks/anomaly_analysis.py")
     with pytest.raises(SystemExit) as exit_info:
@@ -225,3 +222,54 @@ def test_the_analysis_reads_each_measure_back_from_the_running_estimate():
     records.append({"type": "step", "step": 7, "impact": {"estimate": [[0, 0.07]]}})  # replaces it, unmixed
     got = analysis._per_unit(records, 1, "impact", smoothing=0.5)
     assert got[6][0] == float("inf") and got[7][0] == 0.07
+
+
+def _arm_result(folder, val: float, losses: dict[int, float], **extra: Any) -> Any:
+    folder.mkdir(parents=True)
+    anomalies = {"kinds": ["repeat", "digits"], "every": 10, "scope": "sequence"}
+    anomalies["steps"] = [[10, "repeat"], [20, "digits"], [30, "repeat"], [40, "digits"]]
+    result = {"final_eval_loss": val, "train_loss": sorted(losses.items()), "anomalies": anomalies, **extra}
+    (folder / "result.json").write_text(json.dumps(result))
+    return folder
+
+
+def test_anomaly_arms_puts_each_arm_against_the_statics_of_its_seed(tmp_path, capsys):
+    main = load_script("benchmarks/anomaly_arms.py").main
+
+    high = {s: 2.0 for s in range(1, 41)}
+    low = {s: 2.1 + (0.5 if s in (10, 30) else 0.0) for s in range(1, 41)}
+    arm = {s: 2.05 + (0.2 if s == 30 else 0.0) for s in range(1, 41)}
+    dirs = {
+        "--low": _arm_result(tmp_path / "low", 3.0, low),
+        "--high": _arm_result(tmp_path / "high", 2.0, high),
+    }
+    gnmr = _arm_result(tmp_path / "gnmr", 2.75, arm, recovery_fraction=0.02)
+    skip = _arm_result(tmp_path / "skip", 2.9, low, stabilizer={"skipped_steps": 2, "acted_steps": [10, 30]})
+    rows = main([*(str(x) for kv in dirs.items() for x in kv), f"gnmr={gnmr}", f"skip_step={skip}"])
+    by = {r["arm"]: r for r in rows}
+    assert [r["arm"] for r in rows] == ["static_high", "static_low", "gnmr", "skip_step"]
+    assert by["gnmr"]["gap_closed"] == pytest.approx(0.25) and by["gnmr"]["unit_steps"] == 0.02
+    assert by["static_high"]["unit_steps"] == 1.0 and by["static_low"]["unit_steps"] == 0.0
+    # Only the repeat steps past the warm-up get a column (10 is in it); clean steps leave out 4 after each anomaly.
+    assert list(by["static_low"]["cheap_at"]) == [30]
+    assert by["static_low"]["cheap_at"][30] == pytest.approx(0.6) and by["gnmr"]["cheap_at"][30] == pytest.approx(0.25)
+    assert by["gnmr"]["cheap_clean_median"] == pytest.approx(0.05)
+    assert by["skip_step"]["skipped_steps"] == [10, 30]
+    assert "| skip_step (skipped 10, 30) | 2.9000 | 10.0% | 0.00% | 0.600 | 0.1000 |" in capsys.readouterr().out
+
+
+def test_anomaly_arms_refuses_an_arm_of_other_anomalies_and_a_malformed_arm(tmp_path, capsys):
+    main = load_script("benchmarks/anomaly_arms.py").main
+
+    losses = {s: 2.0 for s in range(1, 41)}
+    low, high = _arm_result(tmp_path / "low", 3.0, losses), _arm_result(tmp_path / "high", 2.0, losses)
+    other = tmp_path / "other"
+    _arm_result(other, 2.5, losses)
+    record = json.loads((other / "result.json").read_text())
+    record["anomalies"]["every"] = 5
+    (other / "result.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="ran other anomalies"):
+        main(["--low", str(low), "--high", str(high), f"x={other}"])
+    with pytest.raises(SystemExit) as stopped:
+        main(["--low", str(low), "--high", str(high), "no_folder"])
+    assert stopped.value.code == 2 and "expected NAME=RUN_FOLDER" in capsys.readouterr().err

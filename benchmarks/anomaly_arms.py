@@ -1,0 +1,120 @@
+"""The arms of an anomaly run side by side: what each closes of the gap, what it spends, and the cheap path's loss at
+the anomalous steps (docs/lab/anomalies.md, "Every arm").
+
+Reads each arm's `result.json` (written with `--anomalies ... --logging_steps 1`) and the static low and high arms of
+the same seed and anomalies:
+
+    python benchmarks/anomaly_arms.py --low runs/anomalies/aq4/arms_s1/static_low/seed1 \\
+        --high runs/anomalies/aq4/arms_s1/static_high/seed1 \\
+        gnmr_impact=runs/anomalies/aq4/arms_s1/gnmr_impact/seed1 skip_step=runs/anomalies/aq4/arms_s1/skip_step/seed1
+
+Per arm: the final validation loss; the gap closed, (low - arm) / (low - high); the unit-steps in recovery (GNMR's
+trace; 0 for an arm without GNMR, 100% for static high); the cheap-path loss at each anomalous step of `--kind` (the
+arm's training loss at that step less static high's: what the cheap path costs there, where the step's document is
+the same in every arm), and its median over the clean steps (past `--skip`, not anomalous, not within 4 steps after
+an anomaly, as benchmarks/anomaly_analysis.py counts them); and, for the skip-step rule, the steps it skipped.
+`--json PATH` also writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+AFTER = 4  # steps after an anomaly that are neither anomalous nor clean (benchmarks/anomaly_analysis.py)
+
+
+def _result(folder: Path) -> dict[str, Any]:
+    path = folder / "result.json"
+    if not path.is_file():
+        raise SystemExit(f"error: {path} does not exist (an arm's run folder holds its result.json)")
+    result = json.loads(path.read_text())
+    if "anomalies" not in result:
+        raise SystemExit(f"error: {folder} has no anomalies; run the arm with --anomalies KIND,... --anomaly_every N")
+    return result
+
+
+def _losses(result: dict[str, Any]) -> dict[int, float]:
+    return {int(s): float(v) for s, v in result["train_loss"]}
+
+
+def arm_rows(
+    low: Path, high: Path, arms: dict[str, Path], kind: str = "repeat", skip: int = 12
+) -> tuple[list[int], list[dict[str, Any]]]:
+    """(the anomalous steps of `kind` past `skip`, one row per arm: static high, static low, then `arms` in order)."""
+    low_r, high_r = _result(low), _result(high)
+    anomalies = {int(s): k for s, k in high_r["anomalies"]["steps"]}
+    high_losses = _losses(high_r)
+    near = {s + d for s in anomalies for d in range(1, AFTER + 1)}
+    clean = [s for s in sorted(high_losses) if s > skip and s not in anomalies and s not in near]
+    steps = [s for s, k in sorted(anomalies.items()) if k == kind and s > skip]
+    gap = low_r["final_eval_loss"] - high_r["final_eval_loss"]
+    rows = []
+    for name, folder in {"static_high": high, "static_low": low, **arms}.items():
+        result = high_r if folder == high else low_r if folder == low else _result(folder)
+        if result["anomalies"] != high_r["anomalies"]:
+            raise SystemExit(f"error: {folder} ran other anomalies than {high} (another seed or schedule?)")
+        losses = _losses(result)
+        cheap = {s: losses[s] - high_losses[s] for s in high_losses if s in losses}
+        fraction = 1.0 if name == "static_high" else result.get("recovery_fraction", 0.0)
+        stabilizer = result.get("stabilizer") or {}
+        skipped = stabilizer.get("acted_steps") if stabilizer.get("skipped_steps") else None
+        rows.append(
+            {
+                "arm": name,
+                "val_loss": result["final_eval_loss"],
+                "gap_closed": (low_r["final_eval_loss"] - result["final_eval_loss"]) / gap if gap else float("nan"),
+                "unit_steps": fraction,
+                "cheap_at": {s: cheap.get(s, float("nan")) for s in steps},
+                "cheap_clean_median": statistics.median(cheap[s] for s in clean if s in cheap),
+                "skipped_steps": skipped,
+            }
+        )
+    return steps, rows
+
+
+def markdown(steps: list[int], rows: list[dict[str, Any]], kind: str) -> str:
+    at = " / ".join(str(s) for s in steps)
+    lines = [
+        f"| arm | val loss | gap closed | unit-steps | cheap-path loss at {kind} steps {at} | median, clean steps |",
+        "|---|---|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        name = r["arm"] + (f" (skipped {', '.join(map(str, r['skipped_steps']))})" if r["skipped_steps"] else "")
+        cheap = " / ".join(f"{v:.3f}" for v in r["cheap_at"].values())
+        lines.append(
+            f"| {name} | {r['val_loss']:.4f} | {r['gap_closed']:.1%} | {r['unit_steps']:.2%} | {cheap} "
+            f"| {r['cheap_clean_median']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--low", type=Path, required=True, help="the static low arm's run folder")
+    parser.add_argument("--high", type=Path, required=True, help="the static high arm's run folder (same seed)")
+    parser.add_argument("arms", nargs="*", help="NAME=RUN_FOLDER for each other arm, in the table's order")
+    parser.add_argument("--kind", default="repeat", help="the anomaly kind whose steps get a column (repeat)")
+    parser.add_argument("--skip", type=int, default=12, help="first steps left out of the clean median")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    arms = {}
+    for item in args.arms:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not folder:
+            parser.error(f"arms: expected NAME=RUN_FOLDER, got {item!r}")
+        arms[name] = Path(folder)
+    steps, rows = arm_rows(args.low, args.high, arms, args.kind, args.skip)
+    print(markdown(steps, rows, args.kind))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"steps": steps, "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
