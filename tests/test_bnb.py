@@ -27,7 +27,7 @@ from gnmr_hf import OutputGradMeter, RecoveryLedger, find_units
 from gnmr_hf.backends.bnb import BnbInt8Unit
 from gnmr_hf.experiments.tiny import build_tiny_llama, load_int8_lora
 
-from trainer_utils import close_all, lora_grads_against_bf16, randomize_lora_b, token_ids
+from trainer_utils import close_all, lora_grads_against_bf16, randomize_lora_b, step_impacts, token_ids
 
 bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -629,28 +629,18 @@ def test_an_int8_units_impact_is_its_int8_output_minus_the_exact_one_on_either_p
 
 
 def _int8_impacts(path: Path, micro_batches: list[torch.Tensor], llm_int8: bool, **checkpointing) -> torch.Tensor:
-    """Every INT8 unit's impact over one optimizer step of `micro_batches` (a mean loss each, divided by their count),
-    the units measuring every row, under gradient checkpointing with `checkpointing`'s kwargs if any."""
+    """Every INT8 unit's impact over one optimizer step of `micro_batches` (`trainer_utils.step_impacts`), on
+    bitsandbytes' CPU kernel or under LLM.int8()."""
     import contextlib
 
     from gnmr_hf.experiments.models import llm_int8_in_training
-    from gnmr_hf.impact import impacts
 
     model = load_int8_lora(path)
     randomize_lora_b(model)
     units = find_units(model, "bnb_int8", backend_options="source=checkpoint")
-    for unit in units:
-        unit.impact.start(0, clock=lambda: 0)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
-        model.enable_input_require_grads()  # a reentrant checkpoint passes gradients only to inputs that need them
-    model.train()
+    batches = [{"input_ids": ids, "labels": ids} for ids in micro_batches]
     with llm_int8_in_training() if llm_int8 else contextlib.nullcontext():
-        for ids in micro_batches:
-            (model(input_ids=ids, labels=ids).loss / len(micro_batches)).backward()
-    value = impacts([u.impact.take() for u in units], torch.device("cpu"))
-    close_all(units)
-    return value
+        return step_impacts(model, units, batches, **checkpointing)
 
 
 @pytest.mark.parametrize("llm_int8", [False, True], ids=["cpu_kernel", "llm_int8"])

@@ -37,6 +37,7 @@ from trainer_utils import (
     lora_grads_against_bf16,
     make_trainer,
     randomize_lora_b,
+    step_impacts,
     token_ids,
 )
 
@@ -304,24 +305,14 @@ def test_every_4bit_unit_measures_its_impact_the_first_layers_too_and_once_under
 ) -> None:
     # The first layer's q/k/v base outputs need no gradient under QLoRA (frozen weights, frozen embeddings), yet the
     # loss moves with them through the adapter's sum: every unit measures, each forward once, as without checkpoints.
-    from gnmr_hf.impact import impacts
-
-    def measured(checkpointing: dict | None) -> torch.Tensor:
+    def measured(**checkpointing) -> torch.Tensor:
         model = load(tiny_llama_dir)
         randomize_lora_b(model)
         units = find_units(model, "bnb_4bit", backend_options="source=checkpoint")
-        for unit in units:
-            unit.impact.start(0, clock=lambda: 0)
-        if checkpointing is not None:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
-            model.enable_input_require_grads()
         ids = token_ids(5, batch=2, length=16)
-        model(input_ids=ids, labels=ids).loss.backward()
-        value = impacts([u.impact.take() for u in units], torch.device("cpu"))
-        close_all(units)
-        return value
+        return step_impacts(model, units, [{"input_ids": ids, "labels": ids}], **checkpointing)
 
-    plain = measured(None)
+    plain = measured()
     assert plain.numel() == len(NAMES) and bool((plain > 0).all()), plain
     for reentrant in (False, True):
-        torch.testing.assert_close(measured({"use_reentrant": reentrant}), plain, rtol=1e-4, atol=1e-12)
+        torch.testing.assert_close(measured(use_reentrant=reentrant), plain, rtol=1e-4, atol=1e-12)

@@ -21,6 +21,8 @@ from gnmr_hf.experiments.pretrain import build_model, llama_config
 from gnmr_hf.impact import ImpactMeter, impacts
 from gnmr_hf.trace import read_trace
 
+from trainer_utils import step_impacts
+
 FAULTY = "model.layers.1.mlp.up_proj"
 OPTIONS = {"low_format": "e4m3", "high_format": "bf16"}
 
@@ -154,17 +156,7 @@ def test_plan_refuses_a_model_that_returns_no_loss_and_a_backend_that_measures_n
 
 
 def _impacts_of(model: nn.Module, micro_batches: list[dict], **checkpointing) -> torch.Tensor:
-    units = planted(model)
-    for unit in units:
-        unit.impact.start(0, clock=lambda: 0)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
-    model.train()
-    for batch in micro_batches:
-        (model(**batch).loss / len(micro_batches)).backward()
-    value = impacts([u.impact.take() for u in units], torch.device("cpu"))
-    units.close()
-    return value
+    return step_impacts(model, planted(model), micro_batches, **checkpointing)
 
 
 def test_gradient_accumulation_measures_what_one_batch_of_the_same_tokens_measures():
@@ -455,16 +447,7 @@ def test_an_act_quant_attentions_impact_is_its_recomputed_attentions_output_chan
 def _attention_impacts(micro_batches: list[dict], **checkpointing) -> torch.Tensor:
     model = tiny()
     units = find_units(model, "act_quant", backend_options={"kinds": "attention", "low_bits": 3})
-    for unit in units:
-        unit.impact.start(0, clock=lambda: 0)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
-    model.train()
-    for batch in micro_batches:
-        (model(**batch).loss / len(micro_batches)).backward()
-    value = impacts([u.impact.take() for u in units], torch.device("cpu"))
-    units.close()
-    return value
+    return step_impacts(model, units, micro_batches, **checkpointing)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -16,6 +16,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from gnmr_hf import GNMRCallback, GNMRConfig, GNMRTrainer
 from gnmr_hf.experiments.demo import GradientSpikeCallback
 from gnmr_hf.experiments.tiny import load_int8_lora
+from gnmr_hf.impact import impacts
 from gnmr_hf.trace import read_trace
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -186,3 +187,22 @@ def lora_grads_against_bf16(model: nn.Module, path: Path, backend: str) -> tuple
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     return ref_grads, lora_grads(recovery=True), lora_grads(recovery=False)
+
+
+def step_impacts(model: nn.Module, units, micro_batches: list[dict], **checkpointing) -> torch.Tensor:
+    """Every unit's impact over one optimizer step of `micro_batches` (each a mean loss, divided by their count),
+    the units measuring every row, under gradient checkpointing with `checkpointing`'s kwargs if any; closes the
+    units."""
+    for unit in units:
+        unit.impact.start(0, clock=lambda: 0)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        if not any(p.requires_grad for p in model.get_input_embeddings().parameters()):
+            # Frozen embeddings (LoRA): a reentrant checkpoint passes gradients only to inputs that need them.
+            model.enable_input_require_grads()
+    model.train()
+    for batch in micro_batches:
+        (model(**batch).loss / len(micro_batches)).backward()
+    value = impacts([u.impact.take() for u in units], torch.device("cpu"))
+    units.close()
+    return value
