@@ -645,6 +645,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         kernel = llm_int8_in_training()
     with kernel:
         train(training_args, args, gnmr_config)
+    # Under `accelerate launch` the Trainer leaves the process group to the interpreter's exit, where gloo's threads
+    # can be destroyed while joinable ("terminate called without an active exception": the rank dies by SIGABRT after
+    # a finished run, seen in CI). Every rank reaches here, so the barrier cannot hang.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 

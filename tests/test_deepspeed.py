@@ -14,9 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_distributed import free_port, launch, ranks
+from test_distributed import ranks
 
 from gnmr_hf.integrations.deepspeed import DeepSpeedZero, check_backend
+
+from trainer_utils import free_port, launch
 
 pytest.importorskip("deepspeed")
 

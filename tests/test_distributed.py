@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,31 +18,9 @@ import pytest
 
 from gnmr_hf.trace import read_trace
 
+from trainer_utils import free_port, launch
+
 WORKERS = Path(__file__).parent / "workers"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# A worker process aborted by std::terminate inside the gloo process group's threads (at start or teardown, not in
-# our code: the rank dies by SIGABRT, where a Python error exits with 1), seen about once in 30 launches on the
-# 2-core VM; the launch is retried once on exactly that signature, never on a failure of the test's assertions.
-_GLOO_ABORT = "terminate called without an active exception"
-
-
-def launch(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if result.returncode != 0 and _GLOO_ABORT in result.stderr and "(exitcode: -6)" in result.stderr:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if result.returncode != 0:
-        pytest.fail(
-            f"{' '.join(cmd)} exited with {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
-        )
-    return result
 
 
 def ranks(out: Path, prefix: str = "") -> tuple[dict, dict]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +22,7 @@ from gnmr_hf.experiments.evaluation import PERPLEXITY_TASK, evaluate_model, writ
 from gnmr_hf.experiments.tiny import char_tokenizer
 from gnmr_hf.trace import read_trace
 
-from trainer_utils import load_recipe
+from trainer_utils import free_port, launch, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "finetune_13b.py"
@@ -36,12 +34,6 @@ ACTIVE_GNMR = ["--alpha", "1.05", "--beta", "1.05", "--min_history", "2", "--win
 
 def recipe():
     return load_recipe("finetune_13b")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_training_arguments_recipe_arguments_and_gnmr_config_share_no_flag():
@@ -314,12 +306,7 @@ def test_two_processes_under_accelerate_launch_take_identical_gnmr_decisions_at_
         "--output_dir",
         str(out),
     ]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    if result.returncode != 0:
-        pytest.fail(
-            f"{' '.join(cmd)} exited with {result.returncode}:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
-        )
+    launch(cmd, cwd=ROOT, env={"GLOO_SOCKET_IFNAME": "lo"})
     records = [json.loads(line) for line in (out / "gnmr_rank_agreement.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for record in records:
