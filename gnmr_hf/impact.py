@@ -113,17 +113,32 @@ class ImpactMeter:
         return spread_rows(n, self.max_rows if count is None else count, step * 64 + self._draws, x.device)
 
     def offer(
-        self, output: torch.Tensor, delta: torch.Tensor, index: torch.Tensor | None, rows_per_token: int = 1
-    ) -> None:
+        self,
+        output: torch.Tensor,
+        delta: torch.Tensor,
+        index: torch.Tensor | None,
+        rows_per_token: int = 1,
+        in_forward: bool = False,
+    ) -> torch.Tensor:
         """Measure on this output: `delta` ([R, F] float32) is the cheap path's change of the rows `index` of
-        `output` (as [-1, F]; None: every row). The backward's dL/dY on those rows completes the measure; an output
-        that needs no gradient measures nothing. `rows_per_token`: rows of `output` per token (an attention
-        output [B, T, heads, head_dim] has one per head), so that N counts tokens, not rows."""
+        `output` (as [-1, F]; None: every row). The backward's dL/dY on those rows completes the measure.
+        `rows_per_token`: rows of `output` per token (an attention output [B, T, heads, head_dim] has one per head),
+        so that N counts tokens, not rows.
+
+        Returns the output the caller hands on. An output that needs no gradient measures nothing, unless the cheap
+        path changes the forward (`in_forward`: block_fp, bitsandbytes): its error then reaches the loss all the
+        same, as a frozen weight's on an input that needs no gradient does (the first layer's projections under
+        LoRA, whose dL/dY flows through the adapter's sum). Such an output comes back as a leaf that takes dL/dY;
+        nothing upstream needed a gradient, so nothing else changes. A backward-only cheap path (act_quant's saved
+        activations) behind such an output is never read, and costs nothing."""
         if not output.requires_grad:
-            return
+            if not in_forward:
+                return output
+            output = output.detach().requires_grad_()
         n_rows = output.numel() // output.shape[-1]
         weight = delta.detach().float().square()
         output.register_hook(functools.partial(self._on_grad, index, weight, n_rows, rows_per_token))
+        return output
 
     def _on_grad(
         self, index: torch.Tensor | None, weight: torch.Tensor, n_rows: int, per_token: int, grad: torch.Tensor

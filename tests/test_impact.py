@@ -73,6 +73,28 @@ def test_a_sample_of_rows_stands_for_every_row_and_a_loss_scale_is_divided_out_s
     assert value.item() == pytest.approx(0.5 * 8 * 4 * 30.0)
 
 
+def test_an_output_that_needs_no_gradient_measures_only_where_the_cheap_path_changes_the_forward():
+    unit = _Unit()  # the meter holds its unit weakly
+    meter = ImpactMeter(unit)
+    meter.start(0, clock=lambda: 0)
+    frozen = torch.randn(6, 4)  # a frozen weight's output on an input that needs no gradient
+    delta = torch.randn(6, 4)
+    # A backward-only cheap path (act_quant) behind such an output is never read: it hands back the output itself.
+    assert meter.offer(frozen, delta, None) is frozen and not frozen.requires_grad
+    # A forward error reaches the loss all the same (through an adapter's sum): the output comes back as a leaf
+    # that takes dL/dY, and the measure is the one an output with a gradient of its own gets.
+    leaf = meter.offer(frozen, delta, None, in_forward=True)
+    assert leaf.requires_grad and leaf.is_leaf and torch.equal(leaf, frozen)
+    adapter = torch.randn(6, 4, requires_grad=True)
+    weights = torch.randn(6, 4)
+    ((leaf + adapter) * weights).sum().div(6).backward()
+    (value,) = impacts([meter.take()], torch.device("cpu"))
+    assert value.item() == pytest.approx((0.5 * 6 * ((weights / 6).square() * delta.square()).sum()).item(), rel=1e-5)
+    # An output that has a gradient is handed back as it is, in_forward or not.
+    y = torch.randn(6, 4, requires_grad=True)
+    assert meter.offer(y, delta, None, in_forward=True) is y
+
+
 def test_a_unit_measures_on_its_turn_and_at_a_step_asked_for():
     step, unit = [0], _Unit()
     meter = ImpactMeter(unit)
@@ -173,6 +195,32 @@ def test_gradient_checkpointing_measures_each_unit_once_as_without_it(reentrant)
     plain = _impacts_of(tiny(), [batch])
     checkpointed = _impacts_of(tiny(), [batch], use_reentrant=reentrant)
     torch.testing.assert_close(checkpointed, plain, rtol=1e-4, atol=1e-9)
+
+
+def _lora_block_fp_impacts(input_grads: bool = False) -> tuple[list[str], torch.Tensor]:
+    """Every block_fp unit's impact over one step of LoRA (every linear) on the tiny model, FP4 cheap path: the base
+    weights and the embeddings are frozen, so the first layer's q/k/v base outputs need no gradient, unless
+    `input_grads` makes the embeddings' output need one (as transformers does for a reentrant checkpoint)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny(), LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    if input_grads:
+        model.enable_input_require_grads()
+    units = find_units(model, "block_fp", backend_options={"low_format": "e2m1", "high_format": "bf16"})
+    names = [u.name for u in units]
+    return names, step_impacts(model, units, batches(1))
+
+
+def test_block_fp_units_under_lora_measure_the_first_layers_frozen_projections_too():
+    names, measured = _lora_block_fp_impacts()
+    first = [i for i, n in enumerate(names) if n.startswith("model.layers.0.self_attn.") and "lora_" not in n]
+    assert len(first) == 4
+    # Before the meter made such outputs leaves, the first layer's q/k/v measured nothing (NaN) and the paper's
+    # rule stood in for them; their FP4 error reaches the loss through the adapters all the same.
+    assert bool((measured[first] > 0).all()), measured[first]
+    # The same measure as when the input carries a gradient of its own: the leaf reads the same dL/dY.
+    _, reference = _lora_block_fp_impacts(input_grads=True)
+    torch.testing.assert_close(measured, reference, rtol=1e-4, atol=1e-12, equal_nan=True)
 
 
 class _Plant(TrainerCallback):

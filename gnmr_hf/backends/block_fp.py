@@ -418,17 +418,19 @@ class BlockFPUnit(SwitchedUnit):
         probe = (self, self.low, self._cache) if self.meter.due else None
         out = block_fp_linear(x, m.weight, m.bias, fmt, probe)
         if self.impact.due:
-            self._offer_impact(x, out, fmt)
+            out = self._offer_impact(x, out, fmt)
         return out
 
     @torch.no_grad()
-    def _offer_impact(self, x: torch.Tensor, out: torch.Tensor, fmt: GemmFormat) -> None:
+    def _offer_impact(self, x: torch.Tensor, out: torch.Tensor, fmt: GemmFormat) -> torch.Tensor:
         """The cheap path's change of the output on the impact meter's sample of rows: what the cheap GEMM gives
         minus the exact one (in the output's dtype, so that its own rounding cancels). On the cheap path the cheap
         rows are the output's own; in recovery they are computed from the cheap rounding of the sampled input rows
         and of the weight, only to measure (the activation tiles are row-local, so the rows round as in the whole).
         The forward's error only: the backward's GEMMs round the same operands along other blocks, at the same
-        order of error, a factor common to the units of the backend that a ranking does not see."""
+        order of error, a factor common to the units of the backend that a ranking does not see. Returns the output to
+        hand on (`ImpactMeter.offer`: a leaf where it needs no gradient, as a frozen weight's on an input that needs
+        none does)."""
         x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
         index = self.impact.rows(x2)
         x_rows = take_rows(x2, index).float()
@@ -439,7 +441,7 @@ class BlockFPUnit(SwitchedUnit):
         else:
             cheap_x, cheap_w = self.low.input_rows(x_rows, index), self.low.operand(weight, 1, weight=True)
             cheap = F.linear(cheap_x, cheap_w, None if bias is None else bias.float()).to(out.dtype).float()
-        self.impact.offer(out, cheap - exact, index)
+        return self.impact.offer(out, cheap - exact, index, in_forward=True)
 
 
 def _draw(name: str, passes: int) -> int:

@@ -127,16 +127,10 @@ class BnbUnit(SwitchedUnit):
         # Outside compiled code: whether a measure is due reads the optimizer step, which a graph must not guard on.
         if not self.impact.due:
             return out
-        if not out.requires_grad:
-            # A frozen base weight on an input that needs no gradient (the first layer's projections under LoRA):
-            # the base output carries no gradient, yet dL/dY reaches it through the adapter's sum. On a measuring
-            # step it becomes a leaf that takes one, so the meter's hook reads it; nothing upstream needed one.
-            out = out.detach().requires_grad_()
-        self._offer_impact(x, out, cheap)
-        return out
+        return self._offer_impact(x, out, cheap)
 
     @torch.no_grad()
-    def _offer_impact(self, x: torch.Tensor, out: torch.Tensor, cheap: bool) -> None:
+    def _offer_impact(self, x: torch.Tensor, out: torch.Tensor, cheap: bool) -> torch.Tensor:
         """The cheap path's change of the output on the impact meter's sample of rows (`gnmr_hf.impact`): the
         module's own quantized forward minus the exact (fp32) product of the same input with the weight recovery is
         built from (the checkpoint's as stored, or bitsandbytes' de-quantized one in fp32: with source="dequantize"
@@ -147,7 +141,8 @@ class BnbUnit(SwitchedUnit):
         the sampled rows alone, so LLM.int8()'s outlier columns are those of the sample, not of the batch (a column
         above the threshold in a row left out runs in INT8 here). Whatever the kernel rounds is in it: the input
         and the weight under LLM.int8(), the weight only under bitsandbytes' CPU training kernel
-        (`int8_rounds_input`)."""
+        (`int8_rounds_input`). Returns the output to hand on (`ImpactMeter.offer`: a leaf where the base output needs
+        no gradient, as the first layer's does under LoRA)."""
         x2, out2 = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
         index = self.impact.rows(x2)
         x_rows = take_rows(x2, index)
@@ -157,7 +152,7 @@ class BnbUnit(SwitchedUnit):
             low = take_rows(out2, index)
         else:
             low = self._module_forward(x_rows)
-        self.impact.offer(out, low.float() - exact.to(out.dtype).float(), index)
+        return self.impact.offer(out, low.float() - exact.to(out.dtype).float(), index, in_forward=True)
 
     def _enter(self) -> int:
         if self.source == "checkpoint" and self.tuner is not None and getattr(self.tuner, "merged", False):
