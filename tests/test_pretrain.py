@@ -185,6 +185,11 @@ def test_the_default_arms_are_those_the_other_flags_allow():
         (("--arms", "gnmr", "carve_best"), "arm carve_best needs --oracle_every K > 0"),
         (("--oracle_benefits", "true"), "oracle_benefits needs --oracle_every K > 0"),
         (("--arms", "carve_named", "--carve_named", "self_attn$"), "--carve_named self_attn$ matches no unit"),
+        # One pattern of two matching is not enough: the arm would carve out less than it was given.
+        (
+            ("--arms", "carve_named", "--carve_named", "q_proj$", "^lm_head$"),
+            "--carve_named ^lm_head$ matches no unit",
+        ),
     ],
 )
 def test_an_arm_plan_that_cannot_run_is_refused_before_the_first_arm(argv, message, tmp_path, capsys):

@@ -250,11 +250,13 @@ def check_arm_plan(root: str | Path, pretrain: PretrainArguments, config: GNMRCo
                     )
     if "carve_named" in pretrain.arms:
         names = unit_names(pretrain, config)
-        patterns = [re.compile(p) for p in pretrain.carve_named or ()]
-        if not any(p.search(name) for p in patterns for name in names):
+        # Each pattern on its own: a carve-out pasted from `gnmr-hf plan` or `advise` that names a module this
+        # recipe does not manage (its head, say) would otherwise run as a smaller carve-out than the one asked for.
+        missing = [p for p in pretrain.carve_named or () if not any(re.search(p, name) for name in names)]
+        if missing:
             raise ValueError(
-                f"--carve_named {' '.join(pretrain.carve_named or ())} matches no unit; with --backend "
-                f"{config.backend} --backend_options {config.backend_options or '{}'} the units are {names}"
+                f"--carve_named {' '.join(missing)} matches no unit; with --backend {config.backend} "
+                f"--backend_options {config.backend_options or '{}'} the units are {names}"
             )
 
 
