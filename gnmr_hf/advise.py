@@ -138,7 +138,7 @@ def _pattern(name: str) -> str:
     return "^" + re.escape(name) + "$"
 
 
-def _unmatched(patterns: Sequence[str], names: Sequence[str]) -> list[str]:
+def unmatched(patterns: Sequence[str], names: Sequence[str]) -> list[str]:
     """The patterns of `patterns` that match no name (as `find_units` searches them)."""
     return [p for p in patterns if not any(re.search(p, n) for n in names)]
 
@@ -192,7 +192,7 @@ def format_advice(
     errors = [
         f"pattern {p!r} ({what}) matches no unit"
         for what, pats in (("advised", [_pattern(n) for n in advice.names]), ("--expect", list(expect)))
-        for p in _unmatched(pats, all_names)
+        for p in unmatched(pats, all_names)
     ]
     if advice.ranking is not None:
         lines += ["", advice.ranking.format(budget=budget)]

@@ -220,8 +220,8 @@ def free_port() -> int:
 
 # A rank aborted by std::terminate inside the gloo process group's threads (at start or teardown, not in our code: the
 # rank dies by SIGABRT, where a Python error exits with 1), seen about once in 30 launches on the 2-core VM and once in
-# CI, after a finished recipe run. The recipe and the workers now destroy their process group before exit; the launch
-# is still retried once on exactly that signature, never on a failure of the test's assertions.
+# CI, after a finished recipe run. The recipe and the DDP and FSDP2 workers destroy their process group before exit;
+# the launch is still retried once on exactly that signature, never on a failure of the test's assertions.
 _GLOO_ABORT = "terminate called without an active exception"
 
 

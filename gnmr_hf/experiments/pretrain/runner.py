@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import math
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from ...advise import unmatched
 from ...callback import GNMRCallback
 from ...config import GNMRConfig
 from ...trace import read_trace
@@ -252,7 +252,7 @@ def check_arm_plan(root: str | Path, pretrain: PretrainArguments, config: GNMRCo
         names = unit_names(pretrain, config)
         # Each pattern on its own: a carve-out pasted from `gnmr-hf plan` or `advise` that names a module this
         # recipe does not manage (its head, say) would otherwise run as a smaller carve-out than the one asked for.
-        missing = [p for p in pretrain.carve_named or () if not any(re.search(p, name) for name in names)]
+        missing = unmatched(pretrain.carve_named or (), names)
         if missing:
             raise ValueError(
                 f"--carve_named {' '.join(missing)} matches no unit; with --backend {config.backend} "
