@@ -141,6 +141,45 @@ def test_a_symptom_has_its_family_measured_at_the_next_step():
     assert hosts[2].extras["impact"]["measure"] == [4, 5, 6]
 
 
+# Unit 2's norm rises 10x a step from step 3 on (a lasting symptom); it last measured at step 0 (0.001, cheap).
+RISING = [[1.0] * 7] * 3 + [[1.0, 1.0, 10.0**k, 1.0, 1.0, 1.0, 1.0] for k in range(1, 8)]
+
+
+def test_a_symptom_newer_than_the_units_estimate_is_probed_for_one_step_and_at_most_once_in_lock_steps():
+    stream = [impacts()] + [impacts(u2=math.nan)] * 9
+    hosts = run(controller(), stream, RISING)
+    assert all(2 in h.risky for h in hosts[3:])
+    # Probed at step 3 (in recovery at step 4), released when it is not material; re-probed lock_steps + 1 later.
+    assert active(hosts) == [[], [], [], [2], [], [], [], [2], [], []]
+    # The probe's own measure at the next step is cheap: released all the same.
+    stream = [impacts()] + [impacts(u2=math.nan)] * 3 + [impacts(u2=0.001)] + [impacts(u2=math.nan)] * 2
+    assert active(run(controller(), stream, RISING[:7])) == [[], [], [], [2], [], [], []]
+
+
+def test_a_probe_whose_measure_is_material_is_held_while_it_stays_material():
+    stream = [impacts()] + [impacts(u2=math.nan)] * 3 + [impacts(u2=0.1)] + [impacts(u2=math.nan)] * 5
+    hosts = run(controller(), stream, RISING)
+    assert [2 in h.active for h in hosts] == [False] * 3 + [True] * 7
+
+
+def test_a_symptom_on_a_unit_measured_at_that_step_or_with_probe_off_waits_for_its_measure():
+    # Measured at the symptom's step and cheap: nothing to probe (the estimate is as new as the symptom).
+    hosts = run(controller(), [impacts()] * 6, RISING[:6])
+    assert active(hosts) == [[]] * 6
+    # probe=False: the symptom's family measures at the next step; the unit enters, if material, the step after.
+    stream = [impacts()] + [impacts(u2=math.nan)] * 3 + [impacts(u2=0.1)] + [impacts(u2=math.nan)]
+    hosts = run(controller(probe=False), stream, RISING[:6])
+    assert active(hosts) == [[], [], [], [], [2], [2]]
+    assert hosts[3].extras["impact"]["measure"] == [0, 1, 2, 3]
+
+
+def test_a_probe_ranks_as_the_papers_rule_below_a_larger_impact():
+    # Budget 1, unit 6 material (0.5): the probe (min_impact x risk) does not take its place.
+    stream = [impacts(u6=0.5)] + [impacts(u2=math.nan, u6=0.5)] * 4
+    hosts = run(controller(max_active=1), stream, RISING[:5])
+    assert active(hosts) == [[6]] * 5 and 2 in hosts[3].left_out
+
+
 def test_the_trace_gets_the_estimates_of_the_units_measured_this_step():
     hosts = run(controller(), [impacts(base=math.nan, u2=0.003, u6=0.2)])
     assert hosts[0].extras["impact"]["estimate"] == [[2, pytest.approx(0.003)], [6, pytest.approx(0.2)]]
@@ -166,6 +205,27 @@ def test_the_state_round_trips_through_json_and_a_reverted_step_leaves_no_trace(
     assert torch.equal(ctl.policy.estimate.nan_to_num(-1), before.nan_to_num(-1))
 
 
+def test_a_probe_survives_a_resume_and_a_state_saved_before_probes_loads_with_none():
+    # Probed at step 3; a resume at step 5 must not re-probe before step 7 (lock_steps after the probe).
+    stream = [impacts()] + [impacts(u2=math.nan)] * 9
+    ctl = controller()
+    run(ctl, stream[:5], RISING[:5])
+    restored = controller()
+    restored.load_state_dict(json.loads(json.dumps(ctl.json_state())))
+    after = active(run(restored, stream[5:], RISING[5:]))
+    assert after == active(run(ctl, stream[5:], RISING[5:])) == [[], [], [2], [], []]
+    old = {k: v for k, v in ctl.state_dict().items() if k != "impact_probed_at"}
+    restored.load_state_dict(old)
+    assert (restored.policy.probed_at < 0).all()
+    # A reverted step (the fp16 loss scaler skipped it) takes its probe back.
+    ctl = controller()
+    run(ctl, stream[:3], RISING[:3])
+    run(ctl, stream[3:4], RISING[3:4])
+    assert (ctl.policy.probed_at >= 0).any()
+    ctl.revert()
+    assert (ctl.policy.probed_at < 0).all()
+
+
 def test_a_state_saved_by_the_papers_policy_loads_with_no_estimate():
     paper = GNMRController(GNMRConfig(**{**BASE, "policy": "paper"}), len(NAMES), names=NAMES)
     paper.observe(torch.ones(len(NAMES), dtype=torch.float64))
@@ -182,10 +242,11 @@ def test_a_state_saved_by_the_papers_policy_loads_with_no_estimate():
         ({"smoothing": 1.5}, "option 'smoothing' must be in (0, 1]"),
         ({"every": 0}, "option 'every' must be an int >= 1"),
         ({"rows": -1}, "option 'rows' must be an int >= 0"),
+        ({"probe": "yes"}, "option 'probe' must be bool (true or false)"),
     ],
 )
 def test_bad_options_are_refused_naming_the_option(options, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
         ImpactOptions.parse(options)
 
 

@@ -14,11 +14,16 @@ running estimate between its measures (`smoothing`: the weight of a new measure)
 - a unit is held while it stays material (its lock renewed), and released `lock_steps` steps after it stops being
   so; one that relapses within `lock_steps` of its release gets twice its last lock (`gnmr_hf.policy.RelapseLock`);
 - a symptom (a unit risky by GNMR's own scores) has its whole family measured at the next step (`measure`), so that
-  a sudden failure is weighed at once, not at its family's next turn.
+  a sudden failure is weighed at once, not at its family's next turn; and a risky unit whose estimate predates the
+  symptom (it did not measure at this step) and is not material is *probed* (`probe`): it runs in recovery at the
+  next step for that one step, measured there, and stays only if the measure finds it material. So a sudden fault
+  is in recovery at the next step, as under the paper's rule, and costs one unit-step when it turns out cheap. A
+  unit is probed at most once in `lock_steps` steps (a lasting symptom whose measure said "cheap" is not re-probed
+  every other step; its turns still measure it).
 
-It idles when no unit is material: then it spends nothing, whatever GNMR's scores say (a spike with no lossy cheap
-path behind it is not the cheap path's to fix). Why each rule and the default values: docs/method.md, "The impact
-policy". Pure torch, no host sync, a fixed number of ops per step.
+It idles when no unit is material: then it spends nothing but the probes, one step for each fresh symptom (a spike
+with no lossy cheap path behind it is not the cheap path's to fix). Why each rule and the default values:
+docs/method.md, "The impact policy". Pure torch, no host sync, a fixed number of ops per step.
 """
 
 from __future__ import annotations
@@ -66,6 +71,14 @@ class ImpactOptions(PolicyOptions):
         default=0.5,
         metadata={"help": "Weight of a new measure in a unit's running impact estimate, in (0, 1] (1: the last)."},
     )
+    probe: bool = field(
+        default=True,
+        metadata={
+            "help": "Probe a symptom: a risky unit whose estimate predates it runs in recovery at the next step, "
+            "measured there, and stays only if material (at most once in lock_steps steps). False: it waits for "
+            "its family's measure at the next step and enters, if material, the step after."
+        },
+    )
 
     def __post_init__(self) -> None:
         for name, top in (("min_impact", math.inf), ("smoothing", 1.0)):
@@ -77,12 +90,13 @@ class ImpactOptions(PolicyOptions):
                 raise ValueError(f"option {name!r} must be {allowed}, got {value}")
         self.check_int("rows", 0)
         self.check_int("every", 1)
+        self.check_bool("probe")
 
 
 class ImpactPolicy(LockedPolicy):
     """The impact policy (see the module docstring). State beyond the locks and the relapse lock: each unit's
-    running impact estimate (`impact_estimate`, NaN before its first measure) and the step of its last measure
-    (`impact_at`)."""
+    running impact estimate (`impact_estimate`, NaN before its first measure), the step of its last measure
+    (`impact_at`) and the step of its last probe (`impact_probed_at`)."""
 
     name = "impact"
     options = ImpactOptions
@@ -101,7 +115,8 @@ class ImpactPolicy(LockedPolicy):
         self._families = torch.tensor(self.relations.families, dtype=torch.long, device=self.device)
         self.estimate = torch.full((self.num_units,), torch.nan, dtype=torch.float64, device=self.device)
         self.estimated_at = torch.full((self.num_units,), NEVER, dtype=torch.int64, device=self.device)
-        self._estimate_before: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.probed_at = torch.full((self.num_units,), NEVER, dtype=torch.int64, device=self.device)
+        self._estimate_before: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def step(self, scores: Scores) -> Choice:
         """One step: the new recovery set and locks, and per unit `impact` (the running estimate, NaN where none
@@ -117,7 +132,7 @@ class ImpactPolicy(LockedPolicy):
             fresh,
             (1.0 - opts.smoothing) * self.estimate + opts.smoothing * fresh,
         )
-        self._estimate_before = (self.estimate, self.estimated_at)
+        self._estimate_before = (self.estimate, self.estimated_at, self.probed_at)
         self.estimate = torch.where(measured, mixed, self.estimate)
         self.estimated_at = torch.where(measured, t, self.estimated_at)
         estimate = self.estimate
@@ -125,18 +140,24 @@ class ImpactPolicy(LockedPolicy):
         material = known & (estimate > opts.min_impact)
         broken_norm = scores.broken
         fallback = scores.risky & ~known
+        # A probe: the symptom is newer than the unit's estimate, so the estimate cannot say whether it is cheap.
+        probe = scores.risky & known & ~material & ~measured & ~active & (t - self.probed_at > cfg.lock_steps)
+        if not opts.probe:
+            probe = torch.zeros_like(probe)
 
         assert self.relapse is not None
         countdown = (self.locks - 1).clamp_min(0)
-        wants = material | broken_norm | fallback
+        wants = material | broken_norm | fallback | probe
         entering = wants & ~active
-        lock_length = self.relapse.lengths(t, entering)
+        # A probe holds one step; the relapse lock's length stands for the renewal, should its measure be material.
+        lock_length = torch.where(probe, 1, self.relapse.lengths(t, entering))
         renew = entering | (active & wants)
         candidates = wants | (active & (countdown > 0))
-        key = torch.where(known, estimate, opts.min_impact * scores.risk).nan_to_num(nan=0.0, posinf=1e300)
+        key = torch.where(known & ~probe, estimate, opts.min_impact * scores.risk).nan_to_num(nan=0.0, posinf=1e300)
         key = torch.where(broken_norm, 1e300, key) * torch.where(active, _INCUMBENT, 1.0)
         selected = within_budget(candidates, key, cfg.max_active)
         new_locks = torch.where(selected, torch.where(renew, lock_length, countdown), 0).to(torch.int32)
+        self.probed_at = torch.where(selected & probe, t, self.probed_at)
         self.relapse.exits(t, active, selected)
         self._set(new_locks, selected)
 
@@ -146,22 +167,30 @@ class ImpactPolicy(LockedPolicy):
         return Choice(selected, candidates, new_locks, {"impact": estimate, "measured": measured, "measure": measure})
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return super().state_dict() | {"impact_estimate": self.estimate, "impact_at": self.estimated_at}
+        return super().state_dict() | {
+            "impact_estimate": self.estimate,
+            "impact_at": self.estimated_at,
+            "impact_probed_at": self.probed_at,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         if "impact_estimate" in state and "impact_at" in state:
             self.estimate = load_tensor(state, "impact_estimate", self.estimate)
             self.estimated_at = load_tensor(state, "impact_at", self.estimated_at)
+            # A state saved before probes existed: no unit probed yet.
+            never = torch.full_like(self.probed_at, NEVER)
+            self.probed_at = load_tensor(state, "impact_probed_at", never) if "impact_probed_at" in state else never
         else:  # a state another policy saved: no estimate yet
             self.estimate = torch.full_like(self.estimate, torch.nan)
             self.estimated_at = torch.full_like(self.estimated_at, NEVER)
+            self.probed_at = torch.full_like(self.probed_at, NEVER)
         self._estimate_before = None
 
     def revert(self) -> None:
         super().revert()
         if self._estimate_before is not None:
-            (self.estimate, self.estimated_at), self._estimate_before = self._estimate_before, None
+            (self.estimate, self.estimated_at, self.probed_at), self._estimate_before = self._estimate_before, None
 
     def describe(self) -> dict[str, Any]:
         return {"families": [self.relations.family_names[f] for f in self.relations.families]}
