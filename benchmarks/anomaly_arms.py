@@ -13,7 +13,9 @@ trace; 0 for an arm without GNMR, 100% for static high); the cheap-path loss at 
 arm's training loss at that step less static high's: what the cheap path costs there, where the step's document is
 the same in every arm), and its median over the clean steps (past `--skip`, not anomalous, not within 4 steps after
 an anomaly, as benchmarks/anomaly_analysis.py counts them); and, for the skip-step rule, the steps it skipped.
-`--json PATH` also writes the rows.
+`--json PATH` also writes the rows. `--plot PATH` draws each arm's cheap-path loss over the steps and, for the arm
+`--held` names (default: the first arm with a GNMR trace), which units it held on the recovery path at each step,
+every anomalous step marked by its kind (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -77,6 +79,68 @@ def arm_rows(
     return steps, rows
 
 
+def held_units(folder: Path) -> tuple[list[str], dict[int, list[int]]]:
+    """(the unit names, each step's units on the recovery path) from the arm's GNMR trace."""
+    from gnmr_hf.trace import read_trace
+
+    header, records = read_trace(folder)
+    return list(header["units"]), {r["step"]: list(r.get("active", ())) for r in records if r.get("type") == "step"}
+
+
+def _cheap_series(folder: Path, high: dict[int, float]) -> tuple[list[int], list[float]]:
+    losses = _losses(_result(folder))
+    steps = [s for s in sorted(losses) if s in high]
+    return steps, [losses[s] - high[s] for s in steps]
+
+
+def plot(low: Path, high: Path, arms: dict[str, Path], held: str | None, out: Path) -> str | None:
+    """Each arm's cheap-path loss (its training loss less static high's) over the steps, and the units one arm
+    held, with the anomalous steps marked. Returns the arm whose units are drawn (None: no arm has a trace)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gnmr_hf.experiments.pretrain import ANOMALY_KINDS
+    from gnmr_hf.trace import trace_path
+
+    if held is None:
+        held = next((name for name, folder in arms.items() if trace_path(folder).is_file()), None)
+    high_result = _result(high)
+    high_losses = _losses(high_result)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8.0, 6.5), sharex=True, height_ratios=(1.0, 1.2))
+    for name, folder in {"static_low": low, **arms}.items():
+        steps, cheap = _cheap_series(folder, high_losses)
+        top.plot(steps, cheap, linewidth=0.8, label=name)
+    top.axhline(0.0, color="black", linewidth=0.6)
+    top.set_ylabel("training loss less static high's")
+    if held is not None:
+        names, active = held_units(arms[held])
+        ever = sorted({u for units in active.values() for u in units})
+        row = {u: i for i, u in enumerate(ever)}
+        xs = [s for s, units in active.items() for _ in units]
+        ys = [row[u] for units in active.values() for u in units]
+        bottom.scatter(xs, ys, marker="s", s=4, color="tab:purple", linewidths=0)
+        bottom.set_yticks(range(len(ever)), [names[u].removeprefix("model.") for u in ever], fontsize=5)
+        bottom.set_ylim(-0.5, max(len(ever), 1) - 0.5)
+        bottom.set_ylabel(f"units {held} held")
+    bottom.set_xlabel("optimizer step")
+    colours = dict(zip(ANOMALY_KINDS, ("tab:orange", "tab:blue", "tab:brown", "tab:olive"), strict=True))
+    seen: set[str] = set()
+    for step, kind in high_result["anomalies"]["steps"]:
+        for ax in (top, bottom):
+            ax.axvline(step, color=colours.get(kind, "grey"), alpha=0.3, linewidth=1.0,
+                       label=kind if ax is top and kind not in seen else None)  # fmt: skip
+        seen.add(kind)
+    top.legend(fontsize=6, ncol=4)
+    top.set_title("anomalous steps marked by kind")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return held
+
+
 def markdown(steps: list[int], rows: list[dict[str, Any]], kind: str) -> str:
     at = " / ".join(str(s) for s in steps)
     lines = [
@@ -101,6 +165,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--kind", default="repeat", help="the anomaly kind whose steps get a column (repeat)")
     parser.add_argument("--skip", type=int, default=12, help="first steps left out of the clean median")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
+    parser.add_argument("--plot", type=Path, default=None, help="draw the arms over the steps here (matplotlib)")
+    parser.add_argument("--held", default=None, help="the arm whose units on the recovery path --plot draws")
     args = parser.parse_args(argv)
     arms = {}
     for item in args.arms:
@@ -108,11 +174,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if not sep or not name or not folder:
             parser.error(f"arms: expected NAME=RUN_FOLDER, got {item!r}")
         arms[name] = Path(folder)
+    if args.held is not None and args.plot is None:
+        parser.error("--held: names the arm --plot draws; give --plot PATH too")
+    if args.held is not None and args.held not in arms:
+        parser.error(f"--held: {args.held!r} is not one of the arms ({', '.join(arms) or 'none given'})")
     steps, rows = arm_rows(args.low, args.high, arms, args.kind, args.skip)
     print(markdown(steps, rows, args.kind))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"steps": steps, "rows": rows}, indent=1))
+    if args.plot is not None:
+        plot(args.low, args.high, arms, args.held, args.plot)
     return rows
 
 

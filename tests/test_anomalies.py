@@ -273,3 +273,28 @@ def test_anomaly_arms_refuses_an_arm_of_other_anomalies_and_a_malformed_arm(tmp_
     with pytest.raises(SystemExit) as stopped:
         main(["--low", str(low), "--high", str(high), "no_folder"])
     assert stopped.value.code == 2 and "expected NAME=RUN_FOLDER" in capsys.readouterr().err
+
+
+def test_anomaly_arms_draws_the_arms_and_the_units_one_arm_held(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    script = load_script("benchmarks/anomaly_arms.py")
+    losses = {s: 2.0 for s in range(1, 41)}
+    low, high = _arm_result(tmp_path / "low", 3.0, losses), _arm_result(tmp_path / "high", 2.0, losses)
+    gnmr = _arm_result(tmp_path / "gnmr", 2.5, losses, recovery_fraction=0.05)
+    names = ["model.layers.0.self_attn", "model.layers.0.mlp.up_proj", "model.layers.1.self_attn"]
+    steps = [{"type": "step", "step": s, "active": [2] + ([1] if s in (10, 11) else [])} for s in range(1, 41)]
+    lines = [{"type": "header", "version": 2, "units": names}, *steps]
+    (gnmr / "gnmr_trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    # The units come back from the trace as the arm held them: one all the time, one at the anomalous step and after.
+    got_names, active = script.held_units(gnmr)
+    assert got_names == names and active[10] == [2, 1] and active[12] == [2]
+    out = tmp_path / "fig" / "arms.png"
+    base = ["--low", str(low), "--high", str(high), f"gnmr={gnmr}"]
+    script.main([*base, "--plot", str(out)])
+    assert out.stat().st_size > 10_000
+    # --held is checked before anything is read, and it needs --plot.
+    for extra, message in ((["--held", "x", "--plot", str(out)], "'x' is not one of the arms (gnmr)"),
+                           (["--held", "gnmr"], "give --plot PATH too")):  # fmt: skip
+        with pytest.raises(SystemExit) as stopped:
+            script.main([*base, *extra])
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
