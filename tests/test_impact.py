@@ -514,3 +514,40 @@ def test_attention_units_under_accumulation_measure_the_mean_of_their_micro_batc
     halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
     alone = torch.stack([_attention_impacts([half]) for half in halves])
     torch.testing.assert_close(_attention_impacts(halves), alone.mean(0), rtol=1e-4, atol=1e-9)
+
+
+def _step_grads(backend: str, options: dict, measure: bool, recover: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    model = tiny()
+    units = find_units(model, backend, backend_options=options)
+    if recover:
+        units[0].enter_recovery()
+    if measure:
+        for unit in units:
+            unit.impact.start(0, clock=lambda: 0)
+    (batch,) = batches(1)
+    model.train()
+    loss = model(**batch).loss
+    loss.backward()
+    if measure:
+        assert bool((impacts([u.impact.take() for u in units], torch.device("cpu")) > 0).any())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    units.close()
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize(
+    "backend, options",
+    [
+        ("act_quant", {"kinds": "linear;attention", "low_bits": 4, "high_bits": 8}),
+        ("block_fp", {"low_format": "e2m1", "high_format": "e4m3"}),
+    ],
+)
+@pytest.mark.parametrize("recover", [False, True])
+def test_measuring_leaves_the_steps_loss_and_every_gradient_as_they_were(backend, options, recover):
+    # A measure only reads (sampled rows, a hook's gradient): a measuring step trains exactly as any other, so a
+    # monitor-only run is its static run, and turns of measuring move nothing.
+    loss, grads = _step_grads(backend, options, measure=False, recover=recover)
+    measured_loss, measured_grads = _step_grads(backend, options, measure=True, recover=recover)
+    assert measured_loss == loss and measured_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(measured_grads[name], grad), name
