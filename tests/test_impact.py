@@ -1,7 +1,7 @@
 """The impact estimate (`gnmr_hf.impact`), `gnmr_hf.plan` and the impact policy in a Trainer: the estimate is the
 Fisher-weighted output change it says it is, it finds a planted lossy unit where the counterfactual oracle does, it
-is the same under gradient accumulation and checkpointing, plan leaves nothing on the model, and a Trainer run holds
-the planted unit while the others take turns measuring."""
+is the same under gradient accumulation and checkpointing, a measuring step trains exactly as any other, plan leaves
+nothing on the model, and a Trainer run holds the planted unit while the others take turns measuring."""
 
 from __future__ import annotations
 
