@@ -37,7 +37,7 @@ with quiet_unused_imports():
     import numpy as np
 
     from gnmr_hf.experiments.oracle import read_oracle
-    from gnmr_hf.experiments.pretrain.anomalies import ANOMALY_KINDS
+    from gnmr_hf.experiments.pretrain.anomalies import mark_anomalies
     from gnmr_hf.policies.impact import ImpactOptions
     from gnmr_hf.trace import read_trace
 
@@ -326,13 +326,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
     bottom.set_ylabel("units in recovery")
     bottom.set_ylim(bottom=0)
     bottom.set_xlabel("optimizer step")
-    colours = dict(zip(ANOMALY_KINDS, ("tab:orange", "tab:blue", "tab:brown", "tab:olive"), strict=True))
-    seen = set()
-    for step, kind in report["anomalies"]:
-        for ax in (top, middle, bottom):
-            ax.axvline(step, color=colours.get(kind, "grey"), alpha=0.35, linewidth=1.0,
-                       label=kind if ax is top and kind not in seen else None)  # fmt: skip
-        seen.add(kind)
+    mark_anomalies([top, middle, bottom], report["anomalies"])
     top.legend(fontsize=7, ncol=3)
     middle.legend(fontsize=7)
     top.set_title(f"{report['arm']}, seed {report['seed']}: anomalous steps marked")

@@ -44,6 +44,12 @@ def _losses(result: dict[str, Any]) -> dict[int, float]:
     return {int(s): float(v) for s, v in result["train_loss"]}
 
 
+def _cheap(result: dict[str, Any], high_losses: dict[int, float]) -> dict[int, float]:
+    """The cheap path's loss at each step both ran: the arm's training loss less static high's."""
+    losses = _losses(result)
+    return {s: losses[s] - high_losses[s] for s in sorted(high_losses) if s in losses}
+
+
 def arm_rows(
     low: Path, high: Path, arms: dict[str, Path], kind: str = "repeat", skip: int = 12
 ) -> tuple[list[int], list[dict[str, Any]]]:
@@ -60,8 +66,7 @@ def arm_rows(
         result = high_r if folder == high else low_r if folder == low else _result(folder)
         if result["anomalies"] != high_r["anomalies"]:
             raise SystemExit(f"error: {folder} ran other anomalies than {high} (another seed or schedule?)")
-        losses = _losses(result)
-        cheap = {s: losses[s] - high_losses[s] for s in high_losses if s in losses}
+        cheap = _cheap(result, high_losses)
         fraction = 1.0 if name == "static_high" else result.get("recovery_fraction", 0.0)
         stabilizer = result.get("stabilizer") or {}
         skipped = stabilizer.get("acted_steps") if stabilizer.get("skipped_steps") else None
@@ -87,21 +92,15 @@ def held_units(folder: Path) -> tuple[list[str], dict[int, list[int]]]:
     return list(header["units"]), {r["step"]: list(r.get("active", ())) for r in records if r.get("type") == "step"}
 
 
-def _cheap_series(folder: Path, high: dict[int, float]) -> tuple[list[int], list[float]]:
-    losses = _losses(_result(folder))
-    steps = [s for s in sorted(losses) if s in high]
-    return steps, [losses[s] - high[s] for s in steps]
-
-
-def plot(low: Path, high: Path, arms: dict[str, Path], held: str | None, out: Path) -> str | None:
+def plot(low: Path, high: Path, arms: dict[str, Path], held: str | None, out: Path) -> None:
     """Each arm's cheap-path loss (its training loss less static high's) over the steps, and the units one arm
-    held, with the anomalous steps marked. Returns the arm whose units are drawn (None: no arm has a trace)."""
+    (`held`; None: the first arm with a trace) held, with the anomalous steps marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gnmr_hf.experiments.pretrain import ANOMALY_KINDS
+    from gnmr_hf.experiments.pretrain.anomalies import mark_anomalies
     from gnmr_hf.trace import trace_path
 
     if held is None:
@@ -110,8 +109,8 @@ def plot(low: Path, high: Path, arms: dict[str, Path], held: str | None, out: Pa
     high_losses = _losses(high_result)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8.0, 6.5), sharex=True, height_ratios=(1.0, 1.2))
     for name, folder in {"static_low": low, **arms}.items():
-        steps, cheap = _cheap_series(folder, high_losses)
-        top.plot(steps, cheap, linewidth=0.8, label=name)
+        cheap = _cheap(_result(folder), high_losses)
+        top.plot(list(cheap), list(cheap.values()), linewidth=0.8, label=name)
     top.axhline(0.0, color="black", linewidth=0.6)
     top.set_ylabel("training loss less static high's")
     if held is not None:
@@ -125,20 +124,13 @@ def plot(low: Path, high: Path, arms: dict[str, Path], held: str | None, out: Pa
         bottom.set_ylim(-0.5, max(len(ever), 1) - 0.5)
         bottom.set_ylabel(f"units {held} held")
     bottom.set_xlabel("optimizer step")
-    colours = dict(zip(ANOMALY_KINDS, ("tab:orange", "tab:blue", "tab:brown", "tab:olive"), strict=True))
-    seen: set[str] = set()
-    for step, kind in high_result["anomalies"]["steps"]:
-        for ax in (top, bottom):
-            ax.axvline(step, color=colours.get(kind, "grey"), alpha=0.3, linewidth=1.0,
-                       label=kind if ax is top and kind not in seen else None)  # fmt: skip
-        seen.add(kind)
+    mark_anomalies([top, bottom], high_result["anomalies"]["steps"])
     top.legend(fontsize=6, ncol=4)
     top.set_title("anomalous steps marked by kind")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
-    return held
 
 
 def markdown(steps: list[int], rows: list[dict[str, Any]], kind: str) -> str:

@@ -298,3 +298,20 @@ def test_anomaly_arms_draws_the_arms_and_the_units_one_arm_held(tmp_path, capsys
         with pytest.raises(SystemExit) as stopped:
             script.main([*base, *extra])
         assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_mark_anomalies_draws_a_line_per_step_on_every_axis_and_labels_each_kind_once():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gnmr_hf.experiments.pretrain.anomalies import mark_anomalies
+
+    fig, axes = plt.subplots(2, 1)
+    mark_anomalies(list(axes), [[10, "repeat"], [20, "digits"], [30, "repeat"]])
+    assert [len(ax.lines) for ax in axes] == [3, 3]
+    assert axes[0].get_legend_handles_labels()[1] == ["repeat", "digits"]
+    assert axes[1].get_legend_handles_labels()[1] == []
+    plt.close(fig)

@@ -30,10 +30,18 @@ import base64
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["ANOMALY_KINDS", "ANOMALY_SCOPES", "AnomalousBlocks", "AnomalySchedule", "anomalous_text"]
+__all__ = [
+    "ANOMALY_KINDS",
+    "ANOMALY_SCOPES",
+    "AnomalousBlocks",
+    "AnomalySchedule",
+    "anomalous_text",
+    "mark_anomalies",
+]
 
 ANOMALY_KINDS = ("repeat", "base64", "digits", "minified")
 ANOMALY_SCOPES = ("sequence", "batch")
@@ -173,3 +181,17 @@ def _document(
             return ids[:seq_len].clone()
         n_chars *= 2
     raise ValueError(f"anomalies: a {kind} document did not reach {seq_len} tokens; is the training text too short?")
+
+
+_KIND_COLOURS = dict(zip(ANOMALY_KINDS, ("tab:orange", "tab:blue", "tab:brown", "tab:olive"), strict=True))
+
+
+def mark_anomalies(axes: list[Any], anomalies: list[tuple[int, str]]) -> None:
+    """Mark each anomalous step (`[step, kind]` pairs, as `result.json` records them) on every matplotlib axis in
+    `axes` with a line in its kind's colour; the first axis gets one legend label per kind."""
+    seen: set[str] = set()
+    for step, kind in anomalies:
+        for ax in axes:
+            label = kind if ax is axes[0] and kind not in seen else None
+            ax.axvline(step, color=_KIND_COLOURS.get(kind, "grey"), alpha=0.35, linewidth=1.0, label=label)
+        seen.add(kind)
