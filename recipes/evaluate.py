@@ -9,7 +9,8 @@
     python recipes/evaluate.py --model runs/gnmr --int8_eval fp32 --log_samples --output_dir runs/gnmr/eval
     python recipes/evaluate.py --compare runs/bf16/eval runs/gnmr/eval --reference bf16 --output_dir runs/compare
 
-`--model` is a model folder, a Hub name, or a fine-tune's output_dir (a peft adapter folder, or a folder with a
+`--model` is a model folder, a Hub name, a real model's name (`smollm2-135m`, the untrained base the recipes
+fine-tune), or a fine-tune's output_dir (a peft adapter folder, or a folder with a
 gnmr_run.json naming base model and adapter). Offline (HF_HUB_OFFLINE, HF_DATASETS_OFFLINE, or the Hub out of
 reach), or with `--offline_tasks`, mmlu runs MMLU's real test questions from a checksummed local copy (k-shot examples
 from the same subject's test questions, never the question itself; see gnmr_hf.experiments.mmlu) and hellaswag a
@@ -35,7 +36,11 @@ from pathlib import Path
 class EvaluateArguments:
     output_dir: str = field(metadata={"help": "Folder for results.json and results.md (or comparison.*)."})
     model: str | None = field(
-        default=None, metadata={"help": "Model folder, Hub name, peft adapter folder or fine-tune output_dir."}
+        default=None,
+        metadata={
+            "help": "Model folder, Hub name, real model name (smollm2-135m), peft adapter folder or fine-tune "
+            "output_dir."
+        },
     )
     adapter: str | None = field(default=None, metadata={"help": "A peft adapter folder to apply on top of --model."})
     load_in_8bit: bool | None = field(

@@ -569,6 +569,18 @@ def test_clear_errors_for_a_missing_model_and_an_adapter_without_base(tmp_path, 
         load_model(resolve_model_source("gnmr-test/no-such-model"), offline=offline_reason())
 
 
+def test_a_real_models_name_is_its_converted_folder(tmp_path, monkeypatch):
+    from gnmr_hf.experiments.models import resolve_model
+
+    source = resolve_model_source("smollm2-135m")
+    assert source.base == source.tokenizer == str(resolve_model("smollm2-135m")) and source.adapter is None
+    # A folder of that name in the working directory is the folder, as anywhere else.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2-135m").mkdir()
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        resolve_model_source("smollm2-135m")
+
+
 def test_cli_reports_errors_with_the_flag(tmp_path, capsys):
     main = _recipe().main
     assert main(["--model", str(tmp_path / "missing"), "--output_dir", str(tmp_path)]) == 2

@@ -185,10 +185,11 @@ def resolve_model_source(
 ) -> ModelSource:
     """Work out base model, adapter and tokenizer from `model` (a path or Hub name) and an optional `adapter`.
 
-    `model` may be a model folder or Hub name, a peft adapter folder (its adapter_config.json names the base
-    in `base_model_name_or_path`), or a fine-tune output_dir holding a `gnmr_run.json` with `base_model` and
-    optionally `adapter` (relative to that folder; default: the folder itself). The tokenizer comes from the
-    adapter folder when it holds one (a fine-tune may have added tokens), otherwise from the base.
+    `model` may be a model folder or Hub name, a name of `REAL_MODELS` (`smollm2-135m`), a peft adapter folder (its
+    adapter_config.json names the base in `base_model_name_or_path`), or a fine-tune output_dir holding a
+    `gnmr_run.json` with `base_model` and optionally `adapter` (relative to that folder; default: the folder itself).
+    The tokenizer comes from the adapter folder when it holds one (a fine-tune may have added tokens), otherwise from
+    the base.
     """
     if model is None or str(model) == "":
         if adapter is not None:
@@ -199,6 +200,13 @@ def resolve_model_source(
         raise ValueError("model is required: a model folder, a Hub name or a fine-tune output_dir")
     name = str(model)
     path = Path(name).expanduser()
+    from gnmr_hf.experiments.models import REAL_MODELS, resolve_model
+
+    if name in REAL_MODELS and not path.exists():
+        # A real model by the name the recipes take (`smollm2-135m`): its converted local folder, so that the
+        # untrained base is evaluated by the same name it was fine-tuned from.
+        path = resolve_model(name)
+        name = str(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"model={name!r} is a file; expected a model folder, a Hub name or a fine-tune output_dir")
     if not path.is_dir():
