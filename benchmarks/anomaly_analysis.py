@@ -37,11 +37,9 @@ with quiet_unused_imports():
     import numpy as np
 
     from gnmr_hf.experiments.oracle import read_oracle
-    from gnmr_hf.experiments.pretrain.anomalies import mark_anomalies
+    from gnmr_hf.experiments.pretrain.anomalies import AFTERMATH_STEPS, clean_steps, mark_anomalies
     from gnmr_hf.policies.impact import ImpactOptions
     from gnmr_hf.trace import read_trace
-
-AFTER = 4  # steps after an anomaly that are neither anomalous nor clean, where a break may last
 
 
 def _step_losses(result: dict[str, Any], where: Path) -> dict[int, float]:
@@ -91,8 +89,8 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
     smoothing = float(options.get("smoothing", ImpactOptions().smoothing))
     impact = _per_unit(records, n, "impact", smoothing)
     risk = _per_unit(records, n, "risk")
-    near = {s + d for s in anomalies for d in range(1, AFTER + 1)}
-    clean = [s for s in sorted(losses) if s > skip and s not in anomalies and s not in near and s in impact]
+    quiet = set(clean_steps(sorted(losses), anomalies, 0))  # every step neither anomalous nor just after one
+    clean = [s for s in sorted(quiet) if s > skip and s in impact]
     if not clean:
         raise SystemExit(f"error: {run} has no clean steps past step {skip}")
 
@@ -137,7 +135,7 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
     for s, kind in sorted(anomalies.items()):
         if s not in losses or s <= skip:
             continue
-        before = [t for t in range(s - 1, 0, -1) if t in losses and t not in anomalies and t not in near][:3]
+        before = [t for t in range(s - 1, 0, -1) if t in quiet][:3]
         row: dict[str, Any] = {
             "step": s,
             "kind": kind,
@@ -162,10 +160,10 @@ def analyse(run: Path, high: Path | None = None, ratio: float = 4.0, skip: int =
                 + next(
                     (
                         d - 1
-                        for d in range(1, AFTER + 1)
+                        for d in range(1, AFTERMATH_STEPS + 1)
                         if not (s + d in impact and impact[s + d][i] / impact_clean[i] >= ratio / 2)
                     ),
-                    AFTER,
+                    AFTERMATH_STEPS,
                 )
                 for i in broken
             }

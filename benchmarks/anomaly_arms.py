@@ -27,8 +27,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-AFTER = 4  # steps after an anomaly that are neither anomalous nor clean (benchmarks/anomaly_analysis.py)
-
 
 def _result(folder: Path) -> dict[str, Any]:
     path = folder / "result.json"
@@ -54,11 +52,12 @@ def arm_rows(
     low: Path, high: Path, arms: dict[str, Path], kind: str = "repeat", skip: int = 12
 ) -> tuple[list[int], list[dict[str, Any]]]:
     """(the anomalous steps of `kind` past `skip`, one row per arm: static high, static low, then `arms` in order)."""
+    from gnmr_hf.experiments.pretrain.anomalies import clean_steps
+
     low_r, high_r = _result(low), _result(high)
     anomalies = {int(s): k for s, k in high_r["anomalies"]["steps"]}
     high_losses = _losses(high_r)
-    near = {s + d for s in anomalies for d in range(1, AFTER + 1)}
-    clean = [s for s in sorted(high_losses) if s > skip and s not in anomalies and s not in near]
+    clean = clean_steps(sorted(high_losses), anomalies, skip)
     steps = [s for s, k in sorted(anomalies.items()) if k == kind and s > skip]
     gap = low_r["final_eval_loss"] - high_r["final_eval_loss"]
     rows = []

@@ -315,3 +315,30 @@ def test_mark_anomalies_draws_a_line_per_step_on_every_axis_and_labels_each_kind
     assert axes[0].get_legend_handles_labels()[1] == ["repeat", "digits"]
     assert axes[1].get_legend_handles_labels()[1] == []
     plt.close(fig)
+
+
+def test_clean_steps_leave_out_each_anomalous_step_and_its_aftermath():
+    from gnmr_hf.experiments.pretrain.anomalies import AFTERMATH_STEPS, clean_steps
+
+    assert AFTERMATH_STEPS == 4
+    assert clean_steps(list(range(31)), {10: "repeat", 20: "digits"}, skip=2) == [
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+        9,
+        15,
+        16,
+        17,
+        18,
+        19,
+        25,
+        26,
+        27,
+        28,
+        29,
+        30,
+    ]
+    assert clean_steps([1, 2, 3, 4], [1], skip=0, after=1) == [3, 4]

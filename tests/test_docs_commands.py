@@ -158,8 +158,12 @@ def _size_flags(argv: list[str]) -> list[str] | None:
             return ["--max_steps", "2"]
     if script == "recipes/mmlu_train_data.py":
         return []  # a second's work: writes the file the fine-tune after it trains on
-    if script == "recipes/evaluate.py" and "--model" in argv and Path(argv[argv.index("--model") + 1]).is_dir():
-        return ["--limit", "1"]
+    if script == "recipes/evaluate.py" and "--model" in argv:
+        from gnmr_hf.experiments.models import REAL_MODELS
+
+        model = argv[argv.index("--model") + 1]
+        if Path(model).is_dir() or model in REAL_MODELS:
+            return ["--limit", "1"]
     return None
 
 

@@ -35,11 +35,13 @@ from typing import Any
 import torch
 
 __all__ = [
+    "AFTERMATH_STEPS",
     "ANOMALY_KINDS",
     "ANOMALY_SCOPES",
     "AnomalousBlocks",
     "AnomalySchedule",
     "anomalous_text",
+    "clean_steps",
     "mark_anomalies",
 ]
 
@@ -181,6 +183,17 @@ def _document(
             return ids[:seq_len].clone()
         n_chars *= 2
     raise ValueError(f"anomalies: a {kind} document did not reach {seq_len} tokens; is the training text too short?")
+
+
+# Steps after an anomalous one that are neither anomalous nor clean: a unit an anomaly breaks may stay broken a few
+# steps (docs/lab/anomalies.md measured 1-2), so the benchmarks leave them out of the clean steps they compare with.
+AFTERMATH_STEPS = 4
+
+
+def clean_steps(steps: list[int], anomalous: Any, skip: int, after: int = AFTERMATH_STEPS) -> list[int]:
+    """The steps of `steps` past `skip` that are neither in `anomalous` nor within `after` steps after one of them."""
+    near = {s + d for s in anomalous for d in range(1, after + 1)}
+    return [s for s in steps if s > skip and s not in anomalous and s not in near]
 
 
 _KIND_COLOURS = dict(zip(ANOMALY_KINDS, ("tab:orange", "tab:blue", "tab:brown", "tab:olive"), strict=True))
