@@ -64,7 +64,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from gnmr_hf.commandline import quiet_unused_imports
 
@@ -78,6 +78,8 @@ logger = logging.getLogger("gnmr_hf.recipes.finetune_13b")
 
 ARMS = ("int8", "gnmr", "gnmr_cause", "bf16")
 GNMR_ARMS = ("gnmr", "gnmr_cause")
+PromptTemplate = Literal["auto", "chat", "alpaca", "plain"]
+PROMPT_TEMPLATES = get_args(PromptTemplate)
 AGREEMENT_FILE = "gnmr_rank_agreement.jsonl"
 ALL_LINEAR = "all-linear"
 TINY_BASE = "base_model"  # the tiny preset's model folder, inside output_dir
@@ -197,7 +199,7 @@ class FinetuneArguments:
         default="input", metadata={"help": "Column holding the optional input ('' for datasets without one)."}
     )
     output_column: str = field(default="output", metadata={"help": "Column holding the response."})
-    prompt_template: Literal["auto", "chat", "alpaca", "plain"] = field(
+    prompt_template: PromptTemplate = field(
         default="auto",
         metadata={
             "help": "auto: the tokenizer's chat template when it has one, else alpaca; or force either. plain: the "
@@ -239,9 +241,9 @@ class FinetuneArguments:
             raise ValueError(
                 f"--int8_training_kernel must be one of library, llm_int8; got {self.int8_training_kernel!r}"
             )
-        if self.prompt_template not in ("auto", "chat", "alpaca", "plain"):
+        if self.prompt_template not in PROMPT_TEMPLATES:
             raise ValueError(
-                f"--prompt_template must be one of auto, chat, alpaca, plain; got {self.prompt_template!r}"
+                f"--prompt_template must be one of {', '.join(PROMPT_TEMPLATES)}; got {self.prompt_template!r}"
             )
         if self.dataset_name and self.train_file:
             raise ValueError("pass either --dataset_name or --train_file, not both")

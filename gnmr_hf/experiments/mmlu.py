@@ -120,6 +120,14 @@ def read_mmlu(wheel: str | os.PathLike[str] | None = None) -> list[dict]:
 
 
 MMLU_TRAIN_FORMS = ("letters", "continuation")
+# What lm-eval's description calls the questions of each form ("The following are {what} (with answers) about ...").
+_LETTERS_WHAT = "multiple choice questions"
+_CONTINUATION_WHAT = "questions"
+
+
+def _description(what: str, subject: str) -> str:
+    """lm-eval's MMLU description of a subject, the first part of every context it builds."""
+    return f"The following are {what} (with answers) about {subject.replace('_', ' ')}.\n\n"
 
 
 def mmlu_train_rows(skip_first: int, form: str = "letters", rows: list[dict] | None = None) -> list[dict[str, str]]:
@@ -128,12 +136,11 @@ def mmlu_train_rows(skip_first: int, form: str = "letters", rows: list[dict] | N
     Each subject's first `skip_first` questions (those `recipes/evaluate.py --limit N` scores, for N <= skip_first,
     and the few-shot examples it draws, which are the first ones of the same list) are left out; the rest become
     `{"instruction": prompt, "input": "", "output": answer, "subject": ...}` rows (the recipe's columns) whose
-    prompt is, character for character, the
-    0-shot context lm-eval builds for that question (description, then the question) and whose output is the
-    continuation it scores as right: `" B"` in the `letters` form (`mmlu`), `" " + the answer's text` in the
-    `continuation` form (`mmlu_continuation`). Trained with `--prompt_template plain`, they teach the evaluation's
-    own format on questions disjoint from the evaluated ones. Why the test split: it is the only split of MMLU
-    available offline (the wheel has no dev, validation or auxiliary_train split)."""
+    prompt is, character for character, the 0-shot context lm-eval builds for that question (description, then the
+    question) and whose output is the continuation it scores as right: `" B"` in the `letters` form (`mmlu`),
+    `" " + the answer's text` in the `continuation` form (`mmlu_continuation`). Trained with `--prompt_template
+    plain`, they teach the evaluation's own format on questions disjoint from the evaluated ones. Why the test split:
+    it is the only split of MMLU available offline (the wheel has no dev, validation or auxiliary_train split)."""
     if form not in MMLU_TRAIN_FORMS:
         raise ValueError(f"form must be one of {', '.join(MMLU_TRAIN_FORMS)}; got {form!r}")
     if skip_first < 0:
@@ -146,14 +153,14 @@ def mmlu_train_rows(skip_first: int, form: str = "letters", rows: list[dict] | N
         if seen[subject] <= skip_first:
             continue
         question = row["question"].strip()
-        topic = subject.replace("_", " ")
+        # The description each task's YAML carries (_write_group), then its doc_to_text (_TEMPLATE and
+        # _CONTINUATION_TEMPLATE) written out in Python: the test checks both against lm-eval's own rendering.
         if form == "letters":
             options = "".join(f"\n{letter}. {choice}" for letter, choice in zip(_LETTERS, row["choices"], strict=True))
-            prompt = f"The following are multiple choice questions (with answers) about {topic}.\n\n"
-            prompt += f"{question}{options}\nAnswer:"
+            prompt = _description(_LETTERS_WHAT, subject) + f"{question}{options}\nAnswer:"
             answer = " " + _LETTERS[row["answer"]]
         else:
-            prompt = f"The following are questions (with answers) about {topic}.\n\nQuestion: {question}\nAnswer:"
+            prompt = _description(_CONTINUATION_WHAT, subject) + f"Question: {question}\nAnswer:"
             answer = " " + row["choices"][row["answer"]]
         out.append({"instruction": prompt, "input": "", "output": answer, "subject": subject})
     return out
@@ -194,9 +201,9 @@ def write_mmlu_tasks(folder: str | os.PathLike[str], data_dir: str | os.PathLike
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = {subject: json.dumps(str((data_dir / f"{subject}.jsonl").resolve())) for subject in subjects}
-    _write_group(folder, MMLU_GROUP, "mmlu", _TEMPLATE, "multiple choice questions", paths, ("acc",))
+    _write_group(folder, MMLU_GROUP, "mmlu", _TEMPLATE, _LETTERS_WHAT, paths, ("acc",))
     _write_group(
-        folder, MMLU_CONTINUATION_GROUP, "mmlu (continuation)", _CONTINUATION_TEMPLATE, "questions", paths,
+        folder, MMLU_CONTINUATION_GROUP, "mmlu (continuation)", _CONTINUATION_TEMPLATE, _CONTINUATION_WHAT, paths,
         ("acc", "acc_norm"),
     )  # fmt: skip
     return subjects
@@ -210,7 +217,7 @@ def _write_group(
     and the group, `metrics` aggregated weighted by size as lm-eval's own MMLU groups do."""
     (folder / f"_{group}_template_yaml").write_text(template)
     for subject, path in paths.items():
-        description = json.dumps(f"The following are {what} (with answers) about {subject.replace('_', ' ')}.\n\n")
+        description = json.dumps(_description(what, subject))
         (folder / f"{group}_{subject}.yaml").write_text(
             f"include: _{group}_template_yaml\ntask: {group}_{subject}\ntask_alias: {subject}\n"
             f"description: {description}\ndataset_kwargs:\n  data_files:\n    test: {path}\n"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import base64
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,7 +190,7 @@ def _document(
 AFTERMATH_STEPS = 4
 
 
-def clean_steps(steps: list[int], anomalous: Any, skip: int, after: int = AFTERMATH_STEPS) -> list[int]:
+def clean_steps(steps: list[int], anomalous: Collection[int], skip: int, after: int = AFTERMATH_STEPS) -> list[int]:
     """The steps of `steps` past `skip` that are neither in `anomalous` nor within `after` steps after one of them."""
     near = {s + d for s in anomalous for d in range(1, after + 1)}
     return [s for s in steps if s > skip and s not in anomalous and s not in near]
