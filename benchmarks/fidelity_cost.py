@@ -7,11 +7,18 @@
         --measure impact --rows 32 --out runs/impact_cost_smollm2.json
     OMP_NUM_THREADS=1 python benchmarks/fidelity_cost.py --model smollm2-135m --batch 4 --rounds 2 --steps 4 \
         --measure impact --rows 32 --regimes bnb_int8 --out runs/impact_cost_bnb_smollm2.json
+    OMP_NUM_THREADS=1 python benchmarks/fidelity_cost.py --model smollm2-135m --batch 4 --rounds 2 --steps 4 \
+        --measure impact --rows 32 --quiet_from block_fp=runs/smollm2_fp4_impact/gnmr_impact/seed0/gnmr_trace.jsonl \
+        --regimes block_fp --out runs/impact_cost_quiet_smollm2.json
 
 `--measure impact` times the impact policy's measuring instead (`gnmr_hf.impact`: `--rows` rows of a unit's output,
 each unit on one step in `--every`, the units taking turns), in the functions through which a backend offers it and
 the backward's half of each measure (`ImpactMeter._on_grad`, `_on_loss_grad`) and the per-step gathering
 (`UnitSignals.gather_impact`); every unit of both regimes measures impact (act_quant attention units since ab3461b).
+`--quiet_from REGIME=TRACE` measures, in that regime, the units a `policy="impact"` run's trace leaves quiet at
+its last step (`ImpactOptions.quiet_factor`: the estimates replayed from the trace with the run's options, and the
+policy's own rule, `quiet_units`) on one step in `--every` x `--quiet_factor`, the others on one in `--every`: the
+policy's own rotation in that run's state (without it every unit takes one rotation, as with `quiet_factor=1`).
 `--regimes bnb_int8` times the INT8 LoRA fine-tune's units instead (`recipes/finetune_13b.py`: bitsandbytes' 8-bit
 base weights, a LoRA of rank 16 on every projection, LLM.int8() in training as on a GPU, 4 `v_proj` in recovery).
 
@@ -59,6 +66,7 @@ from typing import Any
 from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports():
+    import numpy as np
     import torch
 
     from gnmr_hf import find_units
@@ -66,8 +74,9 @@ with quiet_unused_imports():
     from gnmr_hf.backends.act_quant import attention, head, linear, mlp, norm
     from gnmr_hf.backends.bnb import BnbInt8Unit
     from gnmr_hf.experiments.pretrain import build_model, llama_config
-    from gnmr_hf.impact import ImpactMeter
+    from gnmr_hf.impact import ImpactMeter, QuietTurns
     from gnmr_hf.meter import FidelityMeter
+    from gnmr_hf.policies.impact import ImpactOptions, quiet_units
     from gnmr_hf.signals import UnitSignals
 
 REGIMES = {
@@ -149,6 +158,32 @@ class OwnTime:
             setattr(owner, name, self.wrap(getattr(owner, name)))
 
 
+def quiet_from_trace(path: str) -> set[str]:
+    """The units a `policy="impact"` run leaves quiet after its last traced step: each unit's running estimate
+    replayed from the trace's measures with the run's `smoothing` (as `ImpactPolicy.step` keeps it), then the
+    policy's own rule (`quiet_units`) with the run's options and that step's units in recovery."""
+    from gnmr_hf.trace import read_trace
+
+    header, records = read_trace(path)
+    config = header.get("config") or {}
+    if config.get("policy") != "impact":
+        raise SystemExit(
+            f"--quiet_from: {path} is not a policy='impact' run's trace (policy {config.get('policy')!r})"
+        )
+    opts = ImpactOptions.parse(config.get("policy_options") or {})
+    names = list(header["units"])
+    estimate = torch.full((len(names),), math.nan, dtype=torch.float64)
+    steps = [r for r in records if r.get("type") == "step"]
+    for record in steps:
+        for i, value in record["impact"]["estimate"]:
+            old = estimate[i]
+            estimate[i] = value if old.isnan() else (1 - opts.smoothing) * old + opts.smoothing * value
+    active = torch.zeros(len(names), dtype=torch.bool)
+    active[steps[-1]["active"]] = True
+    quiet = quiet_units(estimate, active, opts.min_impact, int(config["max_active"]), opts.quiet_below)
+    return {n for n, q in zip(names, quiet.tolist(), strict=True) if q}
+
+
 def build_modes(rows: list[int]) -> dict[str, tuple[int | None, bool]]:
     """{mode: (rows each measure reads, None = not measuring; 4 units in recovery)}, the not-measuring mode of each
     recovery set first (the others are compared with it)."""
@@ -185,8 +220,28 @@ def main() -> None:
         default=["act_quant", "block_fp"],
         help="bnb_int8: the INT8 LoRA fine-tune's units (bitsandbytes; --measure impact only)",
     )
+    parser.add_argument(
+        "--quiet_from",
+        nargs="+",
+        default=[],
+        metavar="REGIME=TRACE",
+        help="--measure impact: in REGIME (act_quant, block_fp or bnb_int8), the units quiet at the end of this "
+        "policy='impact' trace measure on one step in --every x --quiet_factor",
+    )
+    parser.add_argument("--quiet_factor", type=int, default=4, help="ImpactOptions.quiet_factor (>= 1)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    quiet_traces: dict[str, str] = {}
+    for item in args.quiet_from:
+        key, sep, path = item.partition("=")
+        if not sep or key not in REGIME_KEYS or not Path(path).is_file():
+            parser.error(f"--quiet_from: expected REGIME=TRACE with REGIME in {list(REGIME_KEYS)} and an existing "
+                         f"trace file, got {item!r}")  # fmt: skip
+        quiet_traces[REGIME_KEYS[key]] = path
+    if quiet_traces and args.measure != "impact":
+        parser.error("--quiet_from needs --measure impact")
+    if args.quiet_factor < 1:
+        parser.error(f"--quiet_factor must be >= 1, got {args.quiet_factor}")
     if "bnb_int8" in args.regimes and args.measure != "impact":
         parser.error("--regimes bnb_int8 needs --measure impact (bitsandbytes' units measure impact, not fidelity)")
     device = torch.device(args.device)
@@ -203,6 +258,19 @@ def main() -> None:
     total = OwnTime(step_clock)
     total.install(measuring)
     UnitSignals.compute = total.wrap(UnitSignals.compute)
+    # How many measures a step takes (`--measure impact`): each is one ImpactMeter.offer or offer_weighted.
+    offers = [0]
+
+    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def count(*args: Any, **kwargs: Any) -> Any:
+            offers[0] += 1
+            return fn(*args, **kwargs)
+
+        return count
+
+    ImpactMeter.offer = counted(ImpactMeter.offer)
+    ImpactMeter.offer_weighted = counted(ImpactMeter.offer_weighted)
     mode_table = build_modes(args.rows)
     if args.model is None:
         ids = torch.randint(0, 256, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
@@ -253,10 +321,16 @@ def main() -> None:
         units = find_units(model, backend, include=include, **options)
         signals = UnitSignals(units)
         chosen = [u for u in units if any(re.search(p, u.name) for p in recovered)][:4]
+        # The units quiet at the trace's end: measured every quiet_factor-th turn (the rest, and every unit without
+        # --quiet_from, every turn). A static mask: the benchmark times the rotation, not the policy.
+        quiet_names = quiet_from_trace(quiet_traces[regime]) if regime in quiet_traces else set()
+        quiet_mask = np.array([u.name in quiet_names for u in units], dtype=bool)
+        slow = args.every * args.quiet_factor
         times: dict[str, list[float]] = {m: [] for m in mode_table}
         owns: dict[str, list[float]] = {m: [] for m in mode_table}
         total_owns: dict[str, list[float]] = {m: [] for m in mode_table}
         round_means: dict[str, list[float]] = {m: [] for m in mode_table}
+        measures: dict[str, list[int]] = {m: [] for m in mode_table}
         for _ in range(args.rounds):
             for mode, (rows, recovering) in mode_table.items():
                 for i, unit in enumerate(units):
@@ -265,13 +339,15 @@ def main() -> None:
                     if rows is not None and args.measure == "cause":
                         unit.meter.start(rows, clock=lambda: clock[0], recovery_every=args.recovery_every)
                     elif rows is not None:
-                        unit.impact.start(rows, clock=lambda: clock[0], every=args.every, phase=i % args.every)
+                        turns = QuietTurns(quiet_mask, i, slow)
+                        unit.impact.start(rows, clock=lambda: clock[0], every=args.every, phase=i % slow, quiet=turns)
                 for unit in chosen:
                     (unit.enter_recovery if recovering else unit.exit_recovery)()
                 for step in range(args.steps + 1):
                     clock[0] += 1
                     model.zero_grad()
                     own.seconds = total.seconds = 0.0
+                    offers[0] = 0
                     synchronize()
                     start = step_clock()
                     with numerics():
@@ -284,6 +360,7 @@ def main() -> None:
                         times[mode].append(elapsed)
                         owns[mode].append(own.seconds)
                         total_owns[mode].append(total.seconds)
+                        measures[mode].append(offers[0])
                 round_means[mode].append(statistics.mean(times[mode][-args.steps :]))
         units.close()
         median = {m: statistics.median(v) for m, v in times.items()}
@@ -294,6 +371,9 @@ def main() -> None:
         # drift between rounds cancels; mean and standard error over the rounds, as a share of the step.
         paired = {m: [a - b for a, b in zip(round_means[m], round_means[base_mode[m]], strict=True)] for m in modes}
         results[regime] = {
+            "quiet_units": len(quiet_names & {u.name for u in units}),
+            "units": len(units),
+            "measures_per_step": {m: statistics.mean(v) for m, v in measures.items()},
             "step_s": median,
             "own_ms_per_step": {m: 1e3 * statistics.mean(v) for m, v in owns.items()},
             "own_share_of_step": {m: statistics.mean(owns[m]) / base[m] for m in modes},
@@ -309,16 +389,21 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"threads {torch.get_num_threads()}"
     shape = args.model or f"d_model {args.d_model}"
     runs = f"{args.rounds} rounds x {args.steps} steps"
-    print(f"{shape}, batch {tuple(ids.shape)}, {where}, torch {torch.__version__}, {runs}\n")
+    print(f"{shape}, batch {tuple(ids.shape)}, {where}, torch {torch.__version__}, {runs}")
+    for regime in quiet_traces:
+        quiet = results[regime]["quiet_units"]
+        print(f"{regime}: {quiet} of {results[regime]['units']} units quiet (one turn in {args.quiet_factor})")
+    print()
     print(
-        "| regime | mode | step (s) | fidelity's own time (ms/step) | own time / step not measuring "
+        "| regime | mode | measures / step | step (s) | fidelity's own time (ms/step) | own time / step not measuring "
         "| GNMR's own time (ms/step) | its share | end-to-end extra | paired extra (+- s.e.) |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for regime, r in results.items():
         for mode in mode_table:
             print(
-                f"| {regime} | {mode} | {r['step_s'][mode]:.3f} | {r['own_ms_per_step'][mode]:.2f} | "
+                f"| {regime} | {mode} | {r['measures_per_step'][mode]:.1f} | {r['step_s'][mode]:.3f} | "
+                f"{r['own_ms_per_step'][mode]:.2f} | "
                 f"{r['own_share_of_step'][mode]:.2%} | {r['gnmr_own_ms_per_step'][mode]:.2f} | "
                 f"{r['gnmr_own_share_of_step'][mode]:.2%} | {r['end_to_end_extra'][mode]:+.1%} | "
                 f"{r['paired_extra'][mode]:+.2%} +- {r['paired_extra_se'][mode]:.2%} |"

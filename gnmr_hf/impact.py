@@ -26,13 +26,15 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from .fidelity import spread_rows, take_rows
 
-__all__ = ["ImpactMeter", "impacts"]
+__all__ = ["ImpactMeter", "QuietTurns", "impacts"]
 
 
 class _MeasuredUnit(Protocol):
@@ -41,12 +43,25 @@ class _MeasuredUnit(Protocol):
     closed: bool
 
 
+@dataclass(frozen=True)
+class QuietTurns:
+    """A slower rotation for a unit its policy marks *quiet* (`policy="impact"`: its estimate far under what would
+    earn it the budget): while `mask[index]` is set, the unit measures on one optimizer step in `every` instead of its
+    meter's own `every` (a multiple of it, so a quiet turn is one of the unit's usual turns). `mask` is the policy's
+    host array, updated in place once a step from the decision's one transfer: no per-unit work on the host."""
+
+    mask: np.ndarray
+    index: int
+    every: int
+
+
 class ImpactMeter:
     """One unit's impact measuring (see the module docstring). A backend reads `due` where it runs the unit's forward,
     picks the rows with `rows(x)` and hands the cheap path's output change on them to `offer(output, delta, index)`.
 
     Attributes: `on`, `max_rows` (rows of the output a measure reads; 0: all), `every` and `phase` (the unit measures
-    at optimizer steps t with (t + phase) % every == 0).
+    at optimizer steps t with (t + phase) % every == 0; while quiet, with (t + phase) % quiet.every == 0), `quiet`
+    (a `QuietTurns`, or None: always `every`).
     """
 
     def __init__(self, unit: _MeasuredUnit) -> None:
@@ -55,24 +70,37 @@ class ImpactMeter:
         self.max_rows = 0
         self.every = 1
         self.phase = 0
+        self.quiet: QuietTurns | None = None
         self._clock: Callable[[], int] | None = None
         self._forced: set[int] = set()
         self._sum: torch.Tensor | None = None
         self._tokens = 0
         self._draw_step, self._draws = -1, 0
 
-    def start(self, rows: int = 0, clock: Callable[[], int] | None = None, every: int = 1, phase: int = 0) -> None:
+    def start(
+        self,
+        rows: int = 0,
+        clock: Callable[[], int] | None = None,
+        every: int = 1,
+        phase: int = 0,
+        quiet: QuietTurns | None = None,
+    ) -> None:
         """Turn measuring on: `rows` rows of the output per measure (0: all), on one optimizer step in `every` (from
-        `clock()`, the optimizer step) at `phase`. Idempotent; a closed unit stays off."""
+        `clock()`, the optimizer step) at `phase`; while `quiet` marks the unit, one in `quiet.every`. Idempotent; a
+        closed unit stays off."""
         for name, value, low in (("rows", rows, 0), ("every", every, 1), ("phase", phase, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"ImpactMeter.start: {name} must be an int >= {low}, got {value!r}")
-        self.max_rows, self._clock, self.every, self.phase = rows, clock, every, phase % every
+        if quiet is not None and (quiet.every < every or quiet.every % every):
+            raise ValueError(f"ImpactMeter.start: quiet.every must be a multiple of every={every}, got {quiet.every}")
+        self.max_rows, self._clock, self.every, self.quiet = rows, clock, every, quiet
+        # Modulo the slower rotation's period, which keeps the phase modulo `every` (a quiet turn is a usual turn).
+        self.phase = phase % (every if quiet is None else quiet.every)
         if not self.unit.closed:
             self.on = True
 
     def stop(self) -> None:
-        self.on, self._clock = False, None
+        self.on, self._clock, self.quiet = False, None, None
         self._forced.clear()
         self._sum, self._tokens = None, 0
 
@@ -100,7 +128,9 @@ class ImpactMeter:
         step = self.step
         if self._forced and min(self._forced) < step:
             self._forced = {s for s in self._forced if s >= step}
-        return (step + self.phase) % self.every == 0 or step in self._forced
+        quiet = self.quiet
+        every = quiet.every if quiet is not None and quiet.mask[quiet.index] else self.every
+        return (step + self.phase) % every == 0 or step in self._forced
 
     def rows(self, x: torch.Tensor, count: int | None = None) -> torch.Tensor | None:
         """The rows of `x` (as [-1, x.shape[-1]]) a measure reads: `count` (default `max_rows`) of them spread over
@@ -177,7 +207,8 @@ class ImpactMeter:
         unit = self._unit()
         return (
             f"ImpactMeter({getattr(unit, 'name', '?')!r}, {'on' if self.on else 'off'}, max_rows={self.max_rows}, "
-            f"every={self.every}, phase={self.phase})"
+            f"every={self.every}, phase={self.phase}"
+            f"{'' if self.quiet is None else f', quiet_every={self.quiet.every}'})"
         )
 
 

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from .capture import StepCapture, data_parallel_group
 from .config import GNMRConfig
 from .controller import GNMRController, HostDecision
+from .impact import QuietTurns
 from .integrations.deepspeed import DeepSpeedZero
 from .policy import make_policy
 from .signals import UnitSignals
@@ -117,9 +118,6 @@ class GNMRRun:
             rows, every = policy.fidelity_schedule()
             for unit in self.units:
                 unit.meter.start(rows, clock=lambda: state.global_step, recovery_every=every)
-        schedule = policy.impact_schedule()
-        if schedule is not None:
-            self._start_impact(schedule, state)
         self.controller = GNMRController(
             cfg,
             len(self.units),
@@ -128,6 +126,10 @@ class GNMRRun:
             names=names,
             kinds=[u.kind for u in self.units],
         )
+        schedule = policy.impact_schedule()
+        if schedule is not None:
+            # After the controller binds the policy, which then holds the quiet units' mask (`impact_quiet`).
+            self._start_impact(schedule, policy.impact_quiet(), state)
         self.summary = TraceSummary(unit_names=names)
         self._restore(state, names, restored)
         self._warmup_check_step = self.controller.step if self.controller.step >= cfg.min_history + cfg.window else 0
@@ -168,12 +170,19 @@ class GNMRRun:
                 header["fidelity_bounds"] = {u.kind: u.fidelity_bound for u in self.units}
             self._trace = TraceWriter(path, header, resume_step=state.global_step)
 
-    def _start_impact(self, schedule: tuple[int, int], state: Any) -> None:
+    def _start_impact(self, schedule: tuple[int, int], quiet: tuple[int, np.ndarray] | None, state: Any) -> None:
         """Start every unit's impact meter: `rows` rows per measure, the units taking turns over `every` steps in
-        controller order (so that each step measures N / every of them)."""
+        controller order (so that each step measures N / every of them); with `quiet` (quiet_every, the policy's
+        mask), a unit the mask marks takes its turns over `quiet_every` steps instead, at phase i % quiet_every
+        (the same units share a step as in the usual rotation, and quiet ones spread over the slower one)."""
         rows, every = schedule
         for i, unit in enumerate(self.units):
-            unit.impact.start(rows, clock=lambda: state.global_step, every=every, phase=i % every)
+            if quiet is None:
+                unit.impact.start(rows, clock=lambda: state.global_step, every=every, phase=i % every)
+            else:
+                slow, mask = quiet
+                turns = QuietTurns(mask, i, slow)
+                unit.impact.start(rows, clock=lambda: state.global_step, every=every, phase=i % slow, quiet=turns)
         silent = sorted({u.kind for u in self.units if not u.measures_impact})
         if silent:
             logger.warning(

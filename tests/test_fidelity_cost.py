@@ -35,3 +35,36 @@ def test_the_int8_lora_regime_needs_the_impact_measure(monkeypatch, capsys) -> N
     with pytest.raises(SystemExit) as stopped:
         runpy.run_path(str(ROOT / "benchmarks" / "fidelity_cost.py"), run_name="__main__")
     assert stopped.value.code == 2 and "--regimes bnb_int8 needs --measure impact" in capsys.readouterr().err
+
+
+def test_quiet_units_from_a_trace_measure_one_turn_in_quiet_factor(tmp_path: Path) -> None:
+    # A policy='impact' trace of the block_fp regime's 29 units (the probe model's 28 projections and its head) in
+    # which the head's estimate is far above the others: 28 quiet units. With --every 1 --quiet_factor 4 a step
+    # measures the head and a quarter of the rest (7), where without --quiet_from it measures all 29.
+    from gnmr_hf import find_units
+    from gnmr_hf.experiments.pretrain import build_model, llama_config
+
+    model = build_model(llama_config(d_model=128, n_layers=4, n_heads=4, seq_len=128), seed=0)
+    include = [r"\.(q|k|v|o|gate|up|down)_proj$", "^lm_head$"]
+    options = {"low_format": "e2m1", "high_format": "e4m3", "quantize_lm_head": True}
+    units = find_units(model, "block_fp", include=include, backend_options=options)
+    names = [u.name for u in units]
+    units.close()
+    header = {"type": "header", "version": 2, "units": names, "backend": "block_fp",
+              "config": {"policy": "impact", "max_active": 1, "policy_options": {}}}  # fmt: skip
+    estimates = [[i, 0.5 if n == "lm_head" else 1e-4] for i, n in enumerate(names)]
+    step = {"type": "step", "step": 1, "t": 1, "active": [], "entered": [], "exited": [], "risky": [], "n_scored": 0,
+            "n_candidates": 0, "max_risk": None, "top": [], "alpha": 3.0, "beta": 3.0,
+            "impact": {"estimate": estimates, "measure": []}}  # fmt: skip
+    trace = tmp_path / "gnmr_trace.jsonl"
+    trace.write_text(json.dumps(header) + "\n" + json.dumps(step) + "\n")
+    command = [sys.executable, "benchmarks/fidelity_cost.py", "--rounds", "1", "--steps", "4", "--batch", "2"]
+    command += ["--seq_len", "32", "--measure", "impact", "--rows", "8", "--every", "1", "--regimes", "block_fp"]
+    out = tmp_path / "quiet.json"
+    command += ["--quiet_from", f"block_fp={trace}", "--quiet_factor", "4", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (regime,) = json.loads(out.read_text()).values()
+    assert regime["quiet_units"] == 28 and regime["units"] == 29
+    assert regime["measures_per_step"]["all cheap, measuring 8 rows"] == 8.0
+    assert regime["measures_per_step"]["all cheap, not measuring"] == 0.0

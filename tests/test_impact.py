@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from gnmr_hf import GNMRCallback, GNMRConfig, GNMRTrainer, find_units, plan
 from gnmr_hf.advise import advise, format_advice
 from gnmr_hf.experiments.faults import inject_fault
 from gnmr_hf.experiments.pretrain import build_model, llama_config
-from gnmr_hf.impact import ImpactMeter, impacts
+from gnmr_hf.impact import ImpactMeter, QuietTurns, impacts
 from gnmr_hf.trace import read_trace
 
 from trainer_utils import step_impacts
@@ -109,6 +110,33 @@ def test_a_unit_measures_on_its_turn_and_at_a_step_asked_for():
     assert due == [False, False, True, False, False, True, False, True]
     with torch.no_grad():
         assert not meter.due  # only training passes measure
+
+
+def test_a_quiet_unit_takes_every_quiet_every_th_of_its_turns_and_a_symptom_still_measures_it():
+    step, unit = [0], _Unit()
+    mask = np.zeros(3, dtype=bool)
+    meter = ImpactMeter(unit)
+    meter.start(0, clock=lambda: step[0], every=2, phase=7, quiet=QuietTurns(mask, 1, 8))
+    assert meter.phase == 7
+
+    def due(steps):
+        out = []
+        for s in steps:
+            step[0] = s
+            if meter.due:
+                out.append(s)
+        return out
+
+    with torch.enable_grad():
+        assert due(range(16)) == [1, 3, 5, 7, 9, 11, 13, 15]
+        mask[1] = True  # the policy's host mask, updated in place
+        assert due(range(16, 40)) == [17, 25, 33]  # one of its usual turns in four
+        meter.measure_at(20)
+        assert due([20]) == [20]
+        mask[1] = False
+        assert due(range(40, 44)) == [41, 43]
+    with pytest.raises(ValueError, match="quiet.every must be a multiple of every=3, got 8"):
+        meter.start(0, every=3, quiet=QuietTurns(mask, 1, 8))
 
 
 def planted(model: nn.Module, **options):
@@ -281,6 +309,35 @@ def test_a_trainer_run_holds_the_planted_unit_and_the_others_take_turns_measurin
     text, errors = format_advice(advice, budget=1)
     assert not errors and "carve-out at budget 1: 1 units" in text
     assert f"exclude = ['^{FAULTY.replace('.', chr(92) * 2 + '.')}$']" in text
+
+
+def test_in_a_trainer_run_the_units_far_under_the_held_one_measure_on_the_slower_rotation(tmp_path):
+    # every=1: each unit measures every step until its estimate is far under the planted unit's (the bar to a budget
+    # of 1); from then on one step in quiet_factor=4, at its turn (clock + i) % 4 == 0, while the held unit measures
+    # every step. The clock is the Trainer's global_step, which is the traced step - 1 during that step's forward.
+    data = [{k: v[i] for k, v in b.items()} for b in batches(10) for i in range(4)]
+    config = GNMRConfig(
+        backend="block_fp", backend_options=OPTIONS, policy="impact", max_active=1, lock_steps=2, min_history=2,
+        window=2, policy_options={"every": 1, "rows": 8, "quiet_factor": 4},
+    )  # fmt: skip
+    args = TrainingArguments(
+        tmp_path, max_steps=10, per_device_train_batch_size=4, use_cpu=True, report_to=[], save_strategy="no",
+        logging_steps=100, learning_rate=1e-3, disable_tqdm=True,
+    )  # fmt: skip
+    ref: list = []
+    trainer = GNMRTrainer(model=tiny(), args=args, train_dataset=data, gnmr_config=config, callbacks=[_Plant(ref)])
+    ref.append(trainer)
+    trainer.train()
+    header, records = read_trace(tmp_path / "gnmr_trace.jsonl")
+    steps = [r for r in records if r["type"] == "step"]
+    n, faulty = len(header["units"]), header["units"].index(FAULTY)
+    measured = [{i for i, _ in r["impact"]["estimate"]} for r in steps]
+    assert measured[0] == set(range(n))  # step 1: every unit, nothing is known yet
+    quiet_from = next(k for k, r in enumerate(steps) if r["impact"]["quiet"] == n - 1)
+    assert quiet_from < 4 and all(r["active"] == [faulty] for r in steps[quiet_from:])
+    for k in range(quiet_from + 1, len(steps)):
+        step = steps[k]["step"]
+        assert measured[k] == {faulty} | {i for i in range(n) if (step - 1 + i) % 4 == 0}
 
 
 def test_advise_refuses_a_budget_for_a_trace_without_impacts(tmp_path):

@@ -180,6 +180,58 @@ def test_a_probe_ranks_as_the_papers_rule_below_a_larger_impact():
     assert active(hosts) == [[6]] * 5 and 2 in hosts[3].left_out
 
 
+def below(x: float) -> float:
+    return float(np.nextafter(np.float32(x), np.float32(-np.inf)))
+
+
+def test_a_unit_far_under_the_bar_to_the_budget_is_quiet_and_a_held_or_unmeasured_one_never_is():
+    # Budget 2: units 4 (0.2) and 6 (0.1) are held, and the bar is the 2nd largest estimate (0.1), so a unit is
+    # quiet under 0.5 x 0.1: unit 2 just under it, unit 0 far under; unit 1 at it is not (nor would 0.06 be, were
+    # the bar the largest estimate); units 3 and 5 have no estimate.
+    ctl = controller()
+    hosts = run(ctl, [impacts(base=math.nan, u0=0.001, u1=0.05, u2=below(0.05), u4=0.2, u6=0.1)])
+    assert active(hosts) == [[4, 6]]
+    assert ctl.policy.quiet_mask.tolist() == [True, False, True, False, False, False, False]
+    assert hosts[0].extras["impact"]["quiet"] == 2
+    ctl = controller()
+    run(ctl, [impacts(base=math.nan, u1=0.06, u4=0.2, u6=0.1)])
+    assert not ctl.policy.quiet_mask[1]
+    # Under the budget's k-th estimate the bar is min_impact (0.01): quiet under 0.005.
+    ctl = controller()
+    run(ctl, [impacts(base=math.nan, u1=below(0.005), u2=above(0.005), u6=0.5)])
+    assert ctl.policy.quiet_mask.tolist() == [False, True, False, False, False, False, False]
+    # A held unit whose estimate falls stays off the slower rotation while its lock runs (so that it is released).
+    ctl = controller()
+    hosts = run(ctl, [impacts(u6=0.5), impacts(base=math.nan, u6=0.0001)])
+    assert active(hosts) == [[6], [6]] and not ctl.policy.quiet_mask[6]
+    # quiet_below sets the share; quiet_factor=1: no unit is quiet, and the meters keep one rotation.
+    ctl = controller(quiet_below=0.02)
+    run(ctl, [impacts(base=math.nan, u1=below(0.002), u2=above(0.002), u4=0.2, u6=0.1)])
+    assert ctl.policy.quiet_mask.tolist() == [False, True, False, False, False, False, False]
+    ctl = controller(quiet_factor=1)
+    run(ctl, [impacts()])
+    assert ctl.policy.impact_quiet() is None and not ctl.policy.quiet_mask.any()
+    every, mask = controller(every=3).policy.impact_quiet()
+    assert every == 12 and mask.shape == (7,)
+
+
+def test_the_quiet_units_survive_a_resume_and_a_reverted_step_takes_them_back():
+    ctl = controller()
+    run(ctl, [impacts(u4=0.2, u6=0.1)])
+    quiet = ctl.policy.quiet_mask.tolist()
+    assert quiet == [True, True, True, True, False, True, False]
+    restored = controller()
+    mask = restored.policy.quiet_mask
+    restored.load_state_dict(json.loads(json.dumps(ctl.json_state())))
+    # In place: the impact meters hold this array.
+    assert restored.policy.quiet_mask is mask and mask.tolist() == quiet
+    # A step that wakes unit 0 up, reverted (the fp16 loss scaler skipped it): unit 0 is quiet again.
+    run(ctl, [impacts(u0=0.9, u4=0.2, u6=0.1)])
+    assert not ctl.policy.quiet_mask[0]
+    ctl.revert()
+    assert ctl.policy.quiet_mask.tolist() == quiet
+
+
 def test_the_trace_gets_the_estimates_of_the_units_measured_this_step():
     hosts = run(controller(), [impacts(base=math.nan, u2=0.003, u6=0.2)])
     assert hosts[0].extras["impact"]["estimate"] == [[2, pytest.approx(0.003)], [6, pytest.approx(0.2)]]
@@ -243,6 +295,8 @@ def test_a_state_saved_by_the_papers_policy_loads_with_no_estimate():
         ({"every": 0}, "option 'every' must be an int >= 1"),
         ({"rows": -1}, "option 'rows' must be an int >= 0"),
         ({"probe": "yes"}, "option 'probe' must be bool (true or false)"),
+        ({"quiet_factor": 0}, "option 'quiet_factor' must be an int >= 1"),
+        ({"quiet_below": 0}, "option 'quiet_below' must be a finite number > 0"),
     ],
 )
 def test_bad_options_are_refused_naming_the_option(options, message):

@@ -176,6 +176,13 @@ class Policy(ABC):
         None (the default): nothing is measured."""
         return None
 
+    def impact_quiet(self) -> tuple[int, np.ndarray] | None:
+        """(quiet_every, mask) when some units measure their impact on a slower rotation (`gnmr_hf.impact.QuietTurns`):
+        while `mask[i]` (a host bool array of N, which the policy updates in place from `host_extras`, and after
+        `load_state_dict`) unit i measures on one step in `quiet_every`, a multiple of `impact_schedule`'s `every`;
+        None (the default): every unit keeps `every`. Read after `bind`."""
+        return None
+
     def host_parts(self, choice: Choice, k: int) -> list[torch.Tensor]:
         """Float64 1-D tensors of what the host needs of `choice.extras`, moved in the decision's one transfer."""
         return []

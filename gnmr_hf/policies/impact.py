@@ -2,8 +2,11 @@
 
 Each unit's *impact* is what its cheap path costs the training loss, in nats per token, estimated online from one
 step's own forward and backward (`gnmr_hf.impact`: a Fisher-weighted output error). The units take turns measuring
-it (one step in `every`, on `rows` sampled rows), so that measuring stays a small share of the step; a unit keeps a
-running estimate between its measures (`smoothing`: the weight of a new measure). Then, every step:
+it (one step in `every`, on `rows` sampled rows), so that measuring stays a small share of the step; a *quiet* unit,
+whose estimate is far under the bar to the budget (`quiet_below` of the larger of `min_impact` and the
+`max_active`-th largest estimate), and which is not in recovery, measures `quiet_factor` times less often (its
+family's symptoms still have it measured at once). A unit keeps a running estimate between its measures
+(`smoothing`: the weight of a new measure). Then, every step:
 
 - the candidates are the units whose estimate is *material* (above `min_impact` nats per token: what recovering
   the unit alone would buy the loss), a unit whose gradient norm is broken (inf/NaN), and a unit that has no
@@ -40,7 +43,7 @@ from .base import NEVER, Choice, PolicyOptions, Scores, load_tensor, within_budg
 from .cause import UnitRelations, _per_family
 from .paper import LockedPolicy
 
-__all__ = ["ImpactOptions", "ImpactPolicy"]
+__all__ = ["ImpactOptions", "ImpactPolicy", "quiet_units"]
 
 _INCUMBENT = 1.25
 
@@ -71,6 +74,18 @@ class ImpactOptions(PolicyOptions):
         default=0.5,
         metadata={"help": "Weight of a new measure in a unit's running impact estimate, in (0, 1] (1: the last)."},
     )
+    quiet_factor: int = field(
+        default=4,
+        metadata={
+            "help": "A quiet unit (its estimate under quiet_below times the bar to the budget: the larger of "
+            "min_impact and the max_active-th largest estimate) measures on one step in every * quiet_factor, not "
+            "every (and still at once after a symptom in its family). 1: no unit is quiet. >= 1."
+        },
+    )
+    quiet_below: float = field(
+        default=0.5,
+        metadata={"help": "A unit is quiet while its estimate is under this share of the bar to the budget. > 0."},
+    )
     probe: bool = field(
         default=True,
         metadata={
@@ -81,7 +96,7 @@ class ImpactOptions(PolicyOptions):
     )
 
     def __post_init__(self) -> None:
-        for name, top in (("min_impact", math.inf), ("smoothing", 1.0)):
+        for name, top in (("min_impact", math.inf), ("smoothing", 1.0), ("quiet_below", math.inf)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"option {name!r} must be a number, got {value!r}")
@@ -90,6 +105,7 @@ class ImpactOptions(PolicyOptions):
                 raise ValueError(f"option {name!r} must be {allowed}, got {value}")
         self.check_int("rows", 0)
         self.check_int("every", 1)
+        self.check_int("quiet_factor", 1)
         self.check_bool("probe")
 
 
@@ -109,8 +125,15 @@ class ImpactPolicy(LockedPolicy):
     def impact_schedule(self) -> tuple[int, int]:
         return self.opts.rows, self.opts.every
 
+    def impact_quiet(self) -> tuple[int, np.ndarray] | None:
+        factor = self.opts.quiet_factor
+        return None if factor == 1 else (self.opts.every * factor, self.quiet_mask)
+
     def bind(self, names: Sequence[str], kinds: Sequence[str], device: torch.device) -> None:
         super().bind(names, kinds, device)
+        # The host's copy of the quiet units (`impact_quiet`): the meters read it, so it is only ever updated in place.
+        self.quiet_mask = np.zeros(self.num_units, dtype=bool)
+        self._quiet_before: np.ndarray | None = None
         self.relations = UnitRelations.from_names(names, kinds)
         self._families = torch.tensor(self.relations.families, dtype=torch.long, device=self.device)
         self.estimate = torch.full((self.num_units,), torch.nan, dtype=torch.float64, device=self.device)
@@ -164,7 +187,14 @@ class ImpactPolicy(LockedPolicy):
         count = len(self.relations.family_names)
         symptom_family = _per_family(scores.risky.to(torch.int64), self._families, count, "amax", 0)
         measure = symptom_family[self._families] > 0
-        return Choice(selected, candidates, new_locks, {"impact": estimate, "measured": measured, "measure": measure})
+        extras = {"impact": estimate, "measured": measured, "measure": measure, "quiet": self._quiet(selected)}
+        return Choice(selected, candidates, new_locks, extras)
+
+    def _quiet(self, active: torch.Tensor) -> torch.Tensor:
+        opts = self.opts
+        if opts.quiet_factor == 1:
+            return torch.zeros_like(active)
+        return quiet_units(self.estimate, active, opts.min_impact, self.config.max_active, opts.quiet_below)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return super().state_dict() | {
@@ -186,11 +216,16 @@ class ImpactPolicy(LockedPolicy):
             self.estimated_at = torch.full_like(self.estimated_at, NEVER)
             self.probed_at = torch.full_like(self.probed_at, NEVER)
         self._estimate_before = None
+        # The quiet units follow from the state (a resumed run measures on the steps the uninterrupted one did).
+        self.quiet_mask[:] = self._quiet(self.active).cpu().numpy()
+        self._quiet_before = None
 
     def revert(self) -> None:
         super().revert()
         if self._estimate_before is not None:
             (self.estimate, self.estimated_at, self.probed_at), self._estimate_before = self._estimate_before, None
+        if self._quiet_before is not None:
+            self.quiet_mask[:], self._quiet_before = self._quiet_before, None
 
     def describe(self) -> dict[str, Any]:
         return {"families": [self.relations.family_names[f] for f in self.relations.families]}
@@ -200,20 +235,39 @@ class ImpactPolicy(LockedPolicy):
         # measure at the next step, as one float64 run of 2N values.
         extras = choice.extras
         fresh = torch.where(extras["measured"], extras["impact"].nan_to_num(posinf=1e300), -1.0)
-        return [fresh.to(torch.float64), extras["measure"].to(torch.float64)]
+        return [fresh.to(torch.float64), extras["measure"].to(torch.float64), extras["quiet"].to(torch.float64)]
 
     def host_extras(self, parts: np.ndarray, active: np.ndarray, k: int) -> dict[str, Any]:
         """{"impact": {"estimate": [[unit, estimate], ...] for the units measured this step, "measure": [unit, ...]
-        the units asked to measure at the next step}}."""
+        the units asked to measure at the next step, "quiet": how many units measure on the slower rotation from
+        the next step}}. Updates the quiet units' host mask (`impact_quiet`) in place."""
         n = self.num_units
-        fresh, measure = parts[:n], parts[n : 2 * n]
+        fresh, measure, quiet = parts[:n], parts[n : 2 * n], parts[2 * n : 3 * n] > 0
+        self._quiet_before = self.quiet_mask.copy()
+        self.quiet_mask[:] = quiet
         measured = np.flatnonzero(fresh >= 0)
         return {
             "impact": {
                 "estimate": [[int(i), float(fresh[i])] for i in measured],
                 "measure": [int(i) for i in np.flatnonzero(measure > 0)],
+                "quiet": int(quiet.sum()),
             }
         }
+
+
+def quiet_units(
+    estimate: torch.Tensor, active: torch.Tensor, min_impact: float, max_active: int, quiet_below: float
+) -> torch.Tensor:
+    """The units that measure on the slower rotation (`quiet_factor`): a finite estimate under `quiet_below` of the
+    bar to the budget (the larger of `min_impact` and the `max_active`-th largest estimate: what a unit must reach
+    to be held, as far as the estimates know), and not in recovery (a held unit is measured at its usual turns, so
+    that it is released once it stops being material). `estimate`: [N], NaN where unknown; `active`: [N] bool."""
+    ranked = estimate.nan_to_num(nan=-math.inf)
+    k = min(max_active, estimate.numel())
+    # Fewer known estimates than the budget: the k-th is -inf, and the bar is min_impact.
+    kth = torch.topk(ranked, k).values[-1] if k > 0 else ranked.new_tensor(-math.inf)
+    bar = kth.clamp_min(min_impact)
+    return estimate.isfinite() & ~active & (estimate < quiet_below * bar)
 
 
 POLICIES = (ImpactPolicy,)
