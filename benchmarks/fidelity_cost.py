@@ -18,7 +18,8 @@ the backward's half of each measure (`ImpactMeter._on_grad`, `_on_loss_grad`) an
 `--quiet_from REGIME=TRACE` measures, in that regime, the units a `policy="impact"` run's trace leaves quiet at
 its last step (`ImpactOptions.quiet_factor`: the estimates replayed from the trace with the run's options, and the
 policy's own rule, `quiet_units`) on one step in `--every` x `--quiet_factor`, the others on one in `--every`: the
-policy's own rotation in that run's state (without it every unit takes one rotation, as with `quiet_factor=1`).
+policy's own rotation in that run's state, as modes of their own beside the usual ones (every unit on one rotation,
+as with `quiet_factor=1`), in the same rounds.
 `--regimes bnb_int8` times the INT8 LoRA fine-tune's units instead (`recipes/finetune_13b.py`: bitsandbytes' 8-bit
 base weights, a LoRA of rank 16 on every projection, LLM.int8() in training as on a GPU, 4 `v_proj` in recovery).
 
@@ -184,14 +185,18 @@ def quiet_from_trace(path: str) -> set[str]:
     return {n for n, q in zip(names, quiet.tolist(), strict=True) if q}
 
 
-def build_modes(rows: list[int]) -> dict[str, tuple[int | None, bool]]:
-    """{mode: (rows each measure reads, None = not measuring; 4 units in recovery)}, the not-measuring mode of each
-    recovery set first (the others are compared with it)."""
-    out: dict[str, tuple[int | None, bool]] = {}
+def build_modes(rows: list[int], quiet_factor: int | None = None) -> dict[str, tuple[int | None, bool, bool]]:
+    """{mode: (rows each measure reads, None = not measuring; 4 units in recovery; the quiet units on their slower
+    rotation)}, the not-measuring mode of each recovery set first (the others are compared with it); with
+    `quiet_factor`, each measuring mode also with the quiet units one turn in `quiet_factor`, in the same rounds."""
+    out: dict[str, tuple[int | None, bool, bool]] = {}
     for recovering, label in ((False, "all cheap"), (True, "4 in recovery")):
-        out[f"{label}, not measuring"] = (None, recovering)
+        out[f"{label}, not measuring"] = (None, recovering, False)
         for n in rows:
-            out[f"{label}, measuring {'every row' if n == 0 else f'{n} rows'}"] = (n, recovering)
+            measuring = f"{label}, measuring {'every row' if n == 0 else f'{n} rows'}"
+            out[measuring] = (n, recovering, False)
+            if quiet_factor is not None:
+                out[f"{measuring}, quiet units 1 turn in {quiet_factor}"] = (n, recovering, True)
     return out
 
 
@@ -271,7 +276,8 @@ def main() -> None:
 
     ImpactMeter.offer = counted(ImpactMeter.offer)
     ImpactMeter.offer_weighted = counted(ImpactMeter.offer_weighted)
-    mode_table = build_modes(args.rows)
+    mode_table = build_modes(args.rows, args.quiet_factor if quiet_traces else None)
+    group = len(mode_table) // 2  # the modes of one recovery set, its not-measuring mode first
     if args.model is None:
         ids = torch.randint(0, 256, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)).to(device)
 
@@ -325,6 +331,10 @@ def main() -> None:
         # --quiet_from, every turn). A static mask: the benchmark times the rotation, not the policy.
         quiet_names = quiet_from_trace(quiet_traces[regime]) if regime in quiet_traces else set()
         quiet_mask = np.array([u.name in quiet_names for u in units], dtype=bool)
+        no_quiet = np.zeros_like(quiet_mask)
+        # A unit in recovery is never quiet (`quiet_units`): with 4 in recovery they take the usual rotation.
+        in_recovery = np.array([any(u is c for c in chosen) for u in units], dtype=bool)
+        quiet_masks = {False: quiet_mask, True: quiet_mask & ~in_recovery}
         slow = args.every * args.quiet_factor
         times: dict[str, list[float]] = {m: [] for m in mode_table}
         owns: dict[str, list[float]] = {m: [] for m in mode_table}
@@ -332,14 +342,14 @@ def main() -> None:
         round_means: dict[str, list[float]] = {m: [] for m in mode_table}
         measures: dict[str, list[int]] = {m: [] for m in mode_table}
         for _ in range(args.rounds):
-            for mode, (rows, recovering) in mode_table.items():
+            for mode, (rows, recovering, quiet) in mode_table.items():
                 for i, unit in enumerate(units):
                     unit.meter.stop()
                     unit.impact.stop()
                     if rows is not None and args.measure == "cause":
                         unit.meter.start(rows, clock=lambda: clock[0], recovery_every=args.recovery_every)
                     elif rows is not None:
-                        turns = QuietTurns(quiet_mask, i, slow)
+                        turns = QuietTurns(quiet_masks[recovering] if quiet else no_quiet, i, slow)
                         unit.impact.start(rows, clock=lambda: clock[0], every=args.every, phase=i % slow, quiet=turns)
                 for unit in chosen:
                     (unit.enter_recovery if recovering else unit.exit_recovery)()
@@ -365,7 +375,7 @@ def main() -> None:
         units.close()
         median = {m: statistics.median(v) for m, v in times.items()}
         modes = list(mode_table)
-        base_mode = {m: modes[i - i % (len(args.rows) + 1)] for i, m in enumerate(modes)}
+        base_mode = {m: modes[i - i % group] for i, m in enumerate(modes)}
         base = {m: median[base_mode[m]] for m in modes}
         # Paired: each round's mean step of a mode less that of its not-measuring mode in the same round, so that
         # drift between rounds cancels; mean and standard error over the rounds, as a share of the step.

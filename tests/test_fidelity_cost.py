@@ -40,7 +40,8 @@ def test_the_int8_lora_regime_needs_the_impact_measure(monkeypatch, capsys) -> N
 def test_quiet_units_from_a_trace_measure_one_turn_in_quiet_factor(tmp_path: Path) -> None:
     # A policy='impact' trace of the block_fp regime's 29 units (the probe model's 28 projections and its head) in
     # which the head's estimate is far above the others: 28 quiet units. With --every 1 --quiet_factor 4 a step
-    # measures the head and a quarter of the rest (7), where without --quiet_from it measures all 29.
+    # measures the head and a quarter of the rest (7), where the usual rotation measures all 29. With 4 units in
+    # recovery (the head and 3 quiet ones) those 4 are never quiet: 4 and a quarter of the other 25.
     from gnmr_hf import find_units
     from gnmr_hf.experiments.pretrain import build_model, llama_config
 
@@ -66,5 +67,12 @@ def test_quiet_units_from_a_trace_measure_one_turn_in_quiet_factor(tmp_path: Pat
     assert done.returncode == 0, done.stderr[-2000:]
     (regime,) = json.loads(out.read_text()).values()
     assert regime["quiet_units"] == 28 and regime["units"] == 29
-    assert regime["measures_per_step"]["all cheap, measuring 8 rows"] == 8.0
-    assert regime["measures_per_step"]["all cheap, not measuring"] == 0.0
+    # The quiet rotation and the usual one, in the same rounds.
+    assert regime["measures_per_step"] == {
+        "all cheap, not measuring": 0.0,
+        "all cheap, measuring 8 rows": 29.0,
+        "all cheap, measuring 8 rows, quiet units 1 turn in 4": 8.0,
+        "4 in recovery, not measuring": 0.0,
+        "4 in recovery, measuring 8 rows": 29.0,
+        "4 in recovery, measuring 8 rows, quiet units 1 turn in 4": 4 + 25 / 4,
+    }
