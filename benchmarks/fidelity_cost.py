@@ -160,9 +160,9 @@ class OwnTime:
 
 
 def quiet_from_trace(path: str) -> set[str]:
-    """The units a `policy="impact"` run leaves quiet after its last traced step: each unit's running estimate
-    replayed from the trace's measures with the run's `smoothing` (as `ImpactPolicy.step` keeps it), then the
-    policy's own rule (`quiet_units`) with the run's options and that step's units in recovery."""
+    """The units a `policy="impact"` run leaves quiet after its last traced step: each unit's running estimate (the
+    trace records it at each step the unit measured), then the policy's own rule (`quiet_units`) with the run's
+    options and that step's units in recovery."""
     from gnmr_hf.trace import read_trace
 
     header, records = read_trace(path)
@@ -177,8 +177,7 @@ def quiet_from_trace(path: str) -> set[str]:
     steps = [r for r in records if r.get("type") == "step"]
     for record in steps:
         for i, value in record["impact"]["estimate"]:
-            old = estimate[i]
-            estimate[i] = value if old.isnan() else (1 - opts.smoothing) * old + opts.smoothing * value
+            estimate[i] = value
     active = torch.zeros(len(names), dtype=torch.bool)
     active[steps[-1]["active"]] = True
     quiet = quiet_units(estimate, active, opts.min_impact, int(config["max_active"]), opts.quiet_below)
