@@ -231,8 +231,8 @@ class ImpactPolicy(LockedPolicy):
         return {"families": [self.relations.family_names[f] for f in self.relations.families]}
 
     def host_parts(self, choice: Choice, k: int) -> list[torch.Tensor]:
-        # The measures taken this step (every unit's estimate where it measured, -1 elsewhere) and the units to
-        # measure at the next step, as one float64 run of 2N values.
+        # The measures taken this step (every unit's estimate where it measured, -1 elsewhere), the units to
+        # measure at the next step and the quiet units from the next step, as one float64 run of 3N values.
         extras = choice.extras
         fresh = torch.where(extras["measured"], extras["impact"].nan_to_num(posinf=1e300), -1.0)
         return [fresh.to(torch.float64), extras["measure"].to(torch.float64), extras["quiet"].to(torch.float64)]
