@@ -135,7 +135,7 @@ def test_a_quiet_unit_takes_every_quiet_every_th_of_its_turns_and_a_symptom_stil
         assert due([20]) == [20]
         mask[1] = False
         assert due(range(40, 44)) == [41, 43]
-    with pytest.raises(ValueError, match="quiet.every must be a multiple of every=3, got 8"):
+    with pytest.raises(ValueError, match=r"quiet\.every must be a multiple of every=3, got 8"):
         meter.start(0, every=3, quiet=QuietTurns(mask, 1, 8))
 
 

@@ -10,8 +10,8 @@ gradient, which each rank meters on its own data and GNMR sums across ranks. `ca
 policy="cause", whose fidelity each rank measures on its own micro-batches and GNMR averages across ranks; it trains
 with LLM.int8(), a GPU's kernel (`llm_int8_in_training`), since bitsandbytes' CPU training kernel rounds no input and
 leaves nothing to measure. `impact`: the fp32 model (no LoRA) with block_fp FP4 units under policy="impact", every
-unit measured every step and every one material, so that the budget goes by impact alone: each rank measures on its
-own micro-batches and GNMR averages across ranks. Each rank writes the norms it read
+unit measured every step (`every=1`, no quiet units) and every one material, so that the budget goes by impact
+alone: each rank measures on its own micro-batches and GNMR averages across ranks. Each rank writes the norms it read
 and its decisions, step by step, to OUT_DIR/{mode}_rank{R}.json; the test compares the ranks.
 """
 
@@ -51,7 +51,7 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
     if mode == "impact":
         cause = {
             "policy": "impact",
-            "policy_options": {"min_impact": 1e-12, "every": 1, "rows": 8},
+            "policy_options": {"min_impact": 1e-12, "every": 1, "rows": 8, "quiet_factor": 1},
             "backend": "block_fp",
             "backend_options": {"low_format": "e2m1", "high_format": "e4m3"},
         }
