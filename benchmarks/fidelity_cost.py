@@ -16,10 +16,10 @@ each unit on one step in `--every`, the units taking turns), in the functions th
 the backward's half of each measure (`ImpactMeter._on_grad`, `_on_loss_grad`) and the per-step gathering
 (`UnitSignals.gather_impact`); every unit of both regimes measures impact (act_quant attention units since ab3461b).
 `--quiet_from REGIME=TRACE` measures, in that regime, the units a `policy="impact"` run's trace leaves quiet at
-its last step (`ImpactOptions.quiet_factor`: the estimates replayed from the trace with the run's options, and the
-policy's own rule, `quiet_units`) on one step in `--every` x `--quiet_factor`, the others on one in `--every`: the
-policy's own rotation in that run's state, as modes of their own beside the usual ones (every unit on one rotation,
-as with `quiet_factor=1`), in the same rounds.
+its last step (`ImpactOptions.quiet_factor`: each unit's running estimate as the trace last records it, and the
+policy's own rule, `quiet_units`, with the run's options) on one step in `--every` x `--quiet_factor`, the others
+on one in `--every`: the policy's own rotation in that run's state, as modes of their own beside the usual ones
+(every unit on one rotation, as with `quiet_factor=1`), in the same rounds.
 `--regimes bnb_int8` times the INT8 LoRA fine-tune's units instead (`recipes/finetune_13b.py`: bitsandbytes' 8-bit
 base weights, a LoRA of rank 16 on every projection, LLM.int8() in training as on a GPU, 4 `v_proj` in recovery).
 

@@ -176,13 +176,10 @@ class GNMRRun:
         mask), a unit the mask marks takes its turns over `quiet_every` steps instead, at phase i % quiet_every
         (the same units share a step as in the usual rotation, and quiet ones spread over the slower one)."""
         rows, every = schedule
+        slow, mask = quiet if quiet is not None else (every, None)
         for i, unit in enumerate(self.units):
-            if quiet is None:
-                unit.impact.start(rows, clock=lambda: state.global_step, every=every, phase=i % every)
-            else:
-                slow, mask = quiet
-                turns = QuietTurns(mask, i, slow)
-                unit.impact.start(rows, clock=lambda: state.global_step, every=every, phase=i % slow, quiet=turns)
+            turns = None if mask is None else QuietTurns(mask, i, slow)
+            unit.impact.start(rows, clock=lambda: state.global_step, every=every, phase=i % slow, quiet=turns)
         silent = sorted({u.kind for u in self.units if not u.measures_impact})
         if silent:
             logger.warning(
