@@ -56,6 +56,20 @@ def test_ddp_ranks_read_the_same_norms_and_take_the_same_decisions(tiny_llama_di
         assert len(record["active"]) == 2
     first = zero["records"][0]
     assert sorted(first["active"]) == sorted(sorted(range(14), key=lambda i: -first["impact"][i])[:2])
+    # Quiet units on: each rank reads its own copy of the quiet mask, and the ranks agree on it, on which units
+    # measured each step and on the decisions; a quiet unit skips steps (every other one here) and is never dropped.
+    zero, one = ranks(tmp_path, "impact_quiet_")
+    assert zero["records"] == one["records"]
+    records = zero["records"]
+    assert any(r["quiet"] for r in records)
+    skipped = 0
+    for before, now, after in zip(records, records[1:], records[2:], strict=False):
+        measured = {i for i, v in enumerate(now["impact"]) if v == v}
+        for i in set(before["quiet"]) - measured:
+            skipped += 1
+            assert i in now["quiet"] or after["impact"][i] == after["impact"][i], (now["step"], i)
+        assert measured >= set(range(14)) - set(before["quiet"])  # a unit not quiet measures every step (every=1)
+    assert skipped > 0
 
 
 @pytest.mark.parametrize("backend", ["act_quant", "block_fp", "bf16_cast"])

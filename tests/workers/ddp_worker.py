@@ -11,7 +11,11 @@ policy="cause", whose fidelity each rank measures on its own micro-batches and G
 with LLM.int8(), a GPU's kernel (`llm_int8_in_training`), since bitsandbytes' CPU training kernel rounds no input and
 leaves nothing to measure. `impact`: the fp32 model (no LoRA) with block_fp FP4 units under policy="impact", every
 unit measured every step (`every=1`, no quiet units) and every one material, so that the budget goes by impact
-alone: each rank measures on its own micro-batches and GNMR averages across ranks. Each rank writes the norms it read
+alone: each rank measures on its own micro-batches and GNMR averages across ranks. `impact_quiet`: as `impact` with
+quiet units on (`quiet_factor=2`, `quiet_below=1`): the units far under the budget's bar measure on every other step,
+which each rank reads from its own copy of the quiet mask (the policy's, from the all-reduced estimates), so the
+ranks must measure the same units on the same steps or the all-reduce would average a measure with none. Each rank
+writes the norms it read
 and its decisions, step by step, to OUT_DIR/{mode}_rank{R}.json; the test compares the ranks.
 """
 
@@ -35,7 +39,7 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
 
     rank = int(os.environ["RANK"])
     targets = ["q_proj", "v_proj"] if mode == "meters" else None
-    if mode == "impact":
+    if mode.startswith("impact"):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -48,10 +52,11 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
     # policy="cause" with every measured loss suspect: the spike is blamed on its family's lossiest unit, which only
     # a loss averaged over the ranks makes the same unit on both.
     cause = {"policy": "cause", "policy_options": {"suspect": 1e-6}} if mode == "cause" else {}
-    if mode == "impact":
+    if mode.startswith("impact"):
+        quiet = {"quiet_factor": 2, "quiet_below": 1.0} if mode == "impact_quiet" else {"quiet_factor": 1}
         cause = {
             "policy": "impact",
-            "policy_options": {"min_impact": 1e-12, "every": 1, "rows": 8, "quiet_factor": 1},
+            "policy_options": {"min_impact": 1e-12, "every": 1, "rows": 8, **quiet},
             "backend": "block_fp",
             "backend_options": {"low_format": "e2m1", "high_format": "e4m3"},
         }
@@ -71,6 +76,9 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
         def on_optimizer_step(self, args, state, control, **kwargs):
             d = gnmr.last_decision
             records[-1].update(active=d.active.tolist(), entered=d.entered.tolist(), risky=d.risky.tolist())
+            quiet = getattr(gnmr.controller.policy, "quiet_mask", None)
+            if quiet is not None:
+                records[-1]["quiet"] = quiet.nonzero()[0].tolist()  # the units on the slower rotation from next step
 
     args = TrainingArguments(
         output_dir=os.path.join(out_dir, mode),
@@ -101,7 +109,7 @@ def run(model_dir: str, out_dir: str, mode: str) -> None:
 
 def main() -> None:
     model_dir, out_dir = sys.argv[1:3]
-    for mode in ("lora", "meters", "cause", "impact"):
+    for mode in ("lora", "meters", "cause", "impact", "impact_quiet"):
         run(model_dir, out_dir, mode)
     # Tear the process group down before the interpreter does: left to exit, gloo's threads can be destroyed while
     # joinable ("terminate called without an active exception", SIGABRT), seen here about one run in five.
