@@ -17,9 +17,10 @@ the backward's half of each measure (`ImpactMeter._on_grad`, `_on_loss_grad`) an
 (`UnitSignals.gather_impact`); every unit of both regimes measures impact (act_quant attention units since ab3461b).
 `--quiet_from REGIME=TRACE` measures, in that regime, the units a `policy="impact"` run's trace leaves quiet at
 its last step (`ImpactOptions.quiet_factor`: each unit's running estimate as the trace last records it, and the
-policy's own rule, `quiet_units`, with the run's options) on one step in `--every` x `--quiet_factor`, the others
-on one in `--every`: the policy's own rotation in that run's state, as modes of their own beside the usual ones
-(every unit on one rotation, as with `quiet_factor=1`), in the same rounds.
+policy's own rule, `quiet_units`, with the run's options and the mode's own units in recovery: those are quiet far
+over the bar, the rest far under it) on one step in `--every` x `--quiet_factor`, the others on one in `--every`:
+the policy's own rotation in that run's state, as modes of their own beside the usual ones (every unit on one
+rotation, as with `quiet_factor=1`), in the same rounds.
 `--regimes bnb_int8` times the INT8 LoRA fine-tune's units instead (`recipes/finetune_13b.py`: bitsandbytes' 8-bit
 base weights, a LoRA of rank 16 on every projection, LLM.int8() in training as on a GPU, 4 `v_proj` in recovery).
 
@@ -159,10 +160,11 @@ class OwnTime:
             setattr(owner, name, self.wrap(getattr(owner, name)))
 
 
-def quiet_from_trace(path: str) -> set[str]:
-    """The units a `policy="impact"` run leaves quiet after its last traced step: each unit's running estimate (the
-    trace records it at each step the unit measured), then the policy's own rule (`quiet_units`) with the run's
-    options and that step's units in recovery."""
+def quiet_from_trace(path: str) -> Callable[[list[str], np.ndarray], np.ndarray]:
+    """The quiet units of a `policy="impact"` run's state after its last traced step, as a function of the units
+    timed and the units in recovery: each unit's running estimate (the trace records it at each step the unit
+    measured; a unit the trace lacks has none), then the policy's own rule (`quiet_units`) with the run's options,
+    for the benchmark's own recovery set (a unit in recovery is quiet far over the bar, one out of it far under)."""
     from gnmr_hf.trace import read_trace
 
     header, records = read_trace(path)
@@ -173,15 +175,20 @@ def quiet_from_trace(path: str) -> set[str]:
         )
     opts = ImpactOptions.parse(config.get("policy_options") or {})
     names = list(header["units"])
-    estimate = torch.full((len(names),), math.nan, dtype=torch.float64)
-    steps = [r for r in records if r.get("type") == "step"]
-    for record in steps:
+    known: dict[str, float] = {}
+    for record in (r for r in records if r.get("type") == "step"):
         for i, value in record["impact"]["estimate"]:
-            estimate[i] = value
-    active = torch.zeros(len(names), dtype=torch.bool)
-    active[steps[-1]["active"]] = True
-    quiet = quiet_units(estimate, active, opts.min_impact, int(config["max_active"]), opts.quiet_below)
-    return {n for n, q in zip(names, quiet.tolist(), strict=True) if q}
+            known[names[i]] = value
+
+    def quiet(units: list[str], in_recovery: np.ndarray) -> np.ndarray:
+        estimate = torch.tensor([known.get(n, math.nan) for n in units], dtype=torch.float64)
+        active = torch.from_numpy(in_recovery)
+        mask = quiet_units(
+            estimate, active, opts.min_impact, int(config["max_active"]), opts.quiet_below, opts.quiet_above
+        )
+        return mask.numpy()
+
+    return quiet
 
 
 def build_modes(rows: list[int], quiet_factor: int | None = None) -> dict[str, tuple[int | None, bool, bool]]:
@@ -327,13 +334,13 @@ def main() -> None:
         signals = UnitSignals(units)
         chosen = [u for u in units if any(re.search(p, u.name) for p in recovered)][:4]
         # The units quiet at the trace's end: measured every quiet_factor-th turn (the rest, and every unit without
-        # --quiet_from, every turn). A static mask: the benchmark times the rotation, not the policy.
-        quiet_names = quiet_from_trace(quiet_traces[regime]) if regime in quiet_traces else set()
-        quiet_mask = np.array([u.name in quiet_names for u in units], dtype=bool)
-        no_quiet = np.zeros_like(quiet_mask)
-        # A unit in recovery is never quiet (`quiet_units`): with 4 in recovery they take the usual rotation.
+        # --quiet_from, every turn). Static masks: the benchmark times the rotation, not the policy.
         in_recovery = np.array([any(u is c for c in chosen) for u in units], dtype=bool)
-        quiet_masks = {False: quiet_mask, True: quiet_mask & ~in_recovery}
+        no_quiet = np.zeros_like(in_recovery)
+        # The policy's rule for each recovery set: with 4 in recovery those are quiet only far over the bar.
+        rule = quiet_from_trace(quiet_traces[regime]) if regime in quiet_traces else None
+        names = [u.name for u in units]
+        quiet_masks = {r: no_quiet if rule is None else rule(names, in_recovery & r) for r in (False, True)}
         slow = args.every * args.quiet_factor
         times: dict[str, list[float]] = {m: [] for m in mode_table}
         owns: dict[str, list[float]] = {m: [] for m in mode_table}
@@ -380,7 +387,8 @@ def main() -> None:
         # drift between rounds cancels; mean and standard error over the rounds, as a share of the step.
         paired = {m: [a - b for a, b in zip(round_means[m], round_means[base_mode[m]], strict=True)] for m in modes}
         results[regime] = {
-            "quiet_units": len(quiet_names & {u.name for u in units}),
+            "quiet_units": int(quiet_masks[False].sum()),
+            "quiet_units_in_recovery": int(quiet_masks[True].sum()),
             "units": len(units),
             "measures_per_step": {m: statistics.mean(v) for m, v in measures.items()},
             "step_s": median,
@@ -400,8 +408,11 @@ def main() -> None:
     runs = f"{args.rounds} rounds x {args.steps} steps"
     print(f"{shape}, batch {tuple(ids.shape)}, {where}, torch {torch.__version__}, {runs}")
     for regime in quiet_traces:
-        quiet = results[regime]["quiet_units"]
-        print(f"{regime}: {quiet} of {results[regime]['units']} units quiet (one turn in {args.quiet_factor})")
+        r = results[regime]
+        print(
+            f"{regime}: {r['quiet_units']} of {r['units']} units quiet (one turn in {args.quiet_factor}) all cheap, "
+            f"{r['quiet_units_in_recovery']} with 4 in recovery"
+        )
     print()
     print(
         "| regime | mode | measures / step | step (s) | fidelity's own time (ms/step) | own time / step not measuring "

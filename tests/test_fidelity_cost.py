@@ -39,9 +39,10 @@ def test_the_int8_lora_regime_needs_the_impact_measure(monkeypatch, capsys) -> N
 
 def test_quiet_units_from_a_trace_measure_one_turn_in_quiet_factor(tmp_path: Path) -> None:
     # A policy='impact' trace of the block_fp regime's 29 units (the probe model's 28 projections and its head) in
-    # which the head's estimate is far above the others: 28 quiet units. With --every 1 --quiet_factor 4 a step
-    # measures the head and a quarter of the rest (7), where the usual rotation measures all 29. With 4 units in
-    # recovery (the head and 3 quiet ones) those 4 are never quiet: 4 and a quarter of the other 25.
+    # which the head's estimate is far above the others, at a budget of 2: the bar is min_impact (0.002), so the 28
+    # others are quiet. With --every 1 --quiet_factor 4 a step measures the head and a quarter of the rest (7),
+    # where the usual rotation measures all 29. With 4 units in recovery (the head, far over the bar, so quiet; and
+    # 3 ordinary ones, near it, so not): those 3 and a quarter of the other 26 (the head and 25 out of recovery).
     from gnmr_hf import find_units
     from gnmr_hf.experiments.pretrain import build_model, llama_config
 
@@ -52,7 +53,7 @@ def test_quiet_units_from_a_trace_measure_one_turn_in_quiet_factor(tmp_path: Pat
     names = [u.name for u in units]
     units.close()
     header = {"type": "header", "version": 2, "units": names, "backend": "block_fp",
-              "config": {"policy": "impact", "max_active": 1, "policy_options": {}}}  # fmt: skip
+              "config": {"policy": "impact", "max_active": 2, "policy_options": {}}}  # fmt: skip
     estimates = [[i, 0.5 if n == "lm_head" else 1e-4] for i, n in enumerate(names)]
     step = {"type": "step", "step": 1, "t": 1, "active": [], "entered": [], "exited": [], "risky": [], "n_scored": 0,
             "n_candidates": 0, "max_risk": None, "top": [], "alpha": 3.0, "beta": 3.0,
@@ -66,7 +67,7 @@ def test_quiet_units_from_a_trace_measure_one_turn_in_quiet_factor(tmp_path: Pat
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (regime,) = json.loads(out.read_text()).values()
-    assert regime["quiet_units"] == 28 and regime["units"] == 29
+    assert regime["quiet_units"] == 28 and regime["quiet_units_in_recovery"] == 26 and regime["units"] == 29
     # The quiet rotation and the usual one, in the same rounds.
     assert regime["measures_per_step"] == {
         "all cheap, not measuring": 0.0,
@@ -74,5 +75,5 @@ def test_quiet_units_from_a_trace_measure_one_turn_in_quiet_factor(tmp_path: Pat
         "all cheap, measuring 8 rows, quiet units 1 turn in 4": 8.0,
         "4 in recovery, not measuring": 0.0,
         "4 in recovery, measuring 8 rows": 29.0,
-        "4 in recovery, measuring 8 rows, quiet units 1 turn in 4": 4 + 25 / 4,
+        "4 in recovery, measuring 8 rows, quiet units 1 turn in 4": 3 + 26 / 4,
     }

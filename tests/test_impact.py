@@ -608,3 +608,33 @@ def test_measuring_leaves_the_steps_loss_and_every_gradient_as_they_were(backend
     assert measured_loss == loss and measured_grads.keys() == grads.keys()
     for name, grad in grads.items():
         assert torch.equal(measured_grads[name], grad), name
+
+
+def test_in_a_trainer_run_a_held_unit_far_over_the_bar_measures_on_the_slower_rotation_and_stays_held(tmp_path):
+    # Budget 2: the planted unit is held, far over the bar (the larger of min_impact and the 2nd largest estimate,
+    # an ordinary unit's), so it measures on its quiet turns only, (clock + i) % 4 == 0, and stays held between them
+    # on its running estimate.
+    data = [{k: v[i] for k, v in b.items()} for b in batches(12) for i in range(4)]
+    config = GNMRConfig(
+        backend="block_fp", backend_options=OPTIONS, policy="impact", max_active=2, lock_steps=2, min_history=2,
+        window=2, policy_options={"every": 1, "rows": 8, "quiet_factor": 4},
+    )  # fmt: skip
+    args = TrainingArguments(
+        tmp_path, max_steps=12, per_device_train_batch_size=4, use_cpu=True, report_to=[], save_strategy="no",
+        logging_steps=100, learning_rate=1e-3, disable_tqdm=True,
+    )  # fmt: skip
+    ref: list = []
+    trainer = GNMRTrainer(model=tiny(), args=args, train_dataset=data, gnmr_config=config, callbacks=[_Plant(ref)])
+    ref.append(trainer)
+    trainer.train()
+    header, records = read_trace(tmp_path / "gnmr_trace.jsonl")
+    steps = [r for r in records if r["type"] == "step"]
+    faulty = header["units"].index(FAULTY)
+    turns = [(r["step"] - 1 + faulty) % 4 == 0 for r in steps]
+    measured = [faulty in {i for i, _ in r["impact"]["estimate"]} for r in steps]
+    # Every unit quiet from the step after the decision that says so: the planted one far over the bar, the rest
+    # far under it.
+    quiet_from = next(k for k, r in enumerate(steps) if r["impact"]["quiet"] == len(header["units"])) + 1
+    assert quiet_from < 4 and measured[:quiet_from] == [True] * quiet_from  # every step until then
+    assert measured[quiet_from:] == turns[quiet_from:] and not all(turns[quiet_from:])  # then its quiet turns alone
+    assert all(faulty in r["active"] for r in steps)

@@ -3,10 +3,10 @@
 Each unit's *impact* is what its cheap path costs the training loss, in nats per token, estimated online from one
 step's own forward and backward (`gnmr_hf.impact`: a Fisher-weighted output error). The units take turns measuring
 it (one step in `every`, on `rows` sampled rows), so that measuring stays a small share of the step; a *quiet* unit,
-whose estimate is far under the bar to the budget (`quiet_below` of the larger of `min_impact` and the
-`max_active`-th largest estimate), and which is not in recovery, measures `quiet_factor` times less often (its
-family's symptoms still have it measured at once). A unit keeps a running estimate between its measures
-(`smoothing`: the weight of a new measure). Then, every step:
+whose estimate is far from the bar to the budget (the larger of `min_impact` and the `max_active`-th largest
+estimate) on its own side of it (out of recovery under `quiet_below` of the bar, in recovery over `quiet_above`
+times it), measures `quiet_factor` times less often (its family's symptoms still have it measured at once). A unit
+keeps a running estimate between its measures (`smoothing`: the weight of a new measure). Then, every step:
 
 - the candidates are the units whose estimate is *material* (above `min_impact` nats per token: what recovering
   the unit alone would buy the loss), a unit whose gradient norm is broken (inf/NaN), and a unit that has no
@@ -77,14 +77,25 @@ class ImpactOptions(PolicyOptions):
     quiet_factor: int = field(
         default=4,
         metadata={
-            "help": "A quiet unit (its estimate under quiet_below times the bar to the budget: the larger of "
-            "min_impact and the max_active-th largest estimate) measures on one step in every * quiet_factor, not "
-            "every (and still at once after a symptom in its family). 1: no unit is quiet. >= 1."
+            "help": "A quiet unit (its estimate far from the bar to the budget, the larger of min_impact and the "
+            "max_active-th largest estimate: under quiet_below times it out of recovery, over quiet_above times it "
+            "in recovery) measures on one step in every * quiet_factor, not every (and still at once after a "
+            "symptom in its family). 1: no unit is quiet. >= 1."
         },
     )
     quiet_below: float = field(
         default=0.5,
-        metadata={"help": "A unit is quiet while its estimate is under this share of the bar to the budget. > 0."},
+        metadata={
+            "help": "A unit out of recovery is quiet while its estimate is under this share of the bar to the "
+            "budget. > 0."
+        },
+    )
+    quiet_above: float = field(
+        default=2.0,
+        metadata={
+            "help": "A unit in recovery is quiet while its estimate is over this many times the bar to the budget "
+            "(inf: a unit in recovery measures on every turn). >= 1."
+        },
     )
     probe: bool = field(
         default=True,
@@ -106,6 +117,9 @@ class ImpactOptions(PolicyOptions):
         self.check_int("rows", 0)
         self.check_int("every", 1)
         self.check_int("quiet_factor", 1)
+        above = self.quiet_above
+        if isinstance(above, bool) or not isinstance(above, int | float) or not above >= 1:
+            raise ValueError(f"option 'quiet_above' must be a number >= 1 (inf: none in recovery), got {above!r}")
         self.check_bool("probe")
 
 
@@ -194,7 +208,9 @@ class ImpactPolicy(LockedPolicy):
         opts = self.opts
         if opts.quiet_factor == 1:
             return torch.zeros_like(active)
-        return quiet_units(self.estimate, active, opts.min_impact, self.config.max_active, opts.quiet_below)
+        return quiet_units(
+            self.estimate, active, opts.min_impact, self.config.max_active, opts.quiet_below, opts.quiet_above
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return super().state_dict() | {
@@ -256,18 +272,26 @@ class ImpactPolicy(LockedPolicy):
 
 
 def quiet_units(
-    estimate: torch.Tensor, active: torch.Tensor, min_impact: float, max_active: int, quiet_below: float
+    estimate: torch.Tensor,
+    active: torch.Tensor,
+    min_impact: float,
+    max_active: int,
+    quiet_below: float,
+    quiet_above: float = math.inf,
 ) -> torch.Tensor:
-    """The units that measure on the slower rotation (`quiet_factor`): a finite estimate under `quiet_below` of the
-    bar to the budget (the larger of `min_impact` and the `max_active`-th largest estimate: what a unit must reach
-    to be held, as far as the estimates know), and not in recovery (a held unit is measured at its usual turns, so
-    that it is released once it stops being material). `estimate`: [N], NaN where unknown; `active`: [N] bool."""
+    """The units that measure on the slower rotation (`quiet_factor`): a finite estimate far from the bar to the
+    budget (the larger of `min_impact` and the `max_active`-th largest estimate: what a unit must reach to be held,
+    as far as the estimates know) on its own side of it: out of recovery under `quiet_below` of the bar (it must
+    double its estimate, at the default 0.5, to compete), in recovery over `quiet_above` times it (it must halve its
+    estimate, at the default 2, to be released). A unit nearer the bar measures at its usual turns: its next measure
+    can change the decision. `estimate`: [N], NaN where unknown; `active`: [N] bool."""
     ranked = estimate.nan_to_num(nan=-math.inf)
     k = min(max_active, estimate.numel())
     # Fewer known estimates than the budget: the k-th is -inf, and the bar is min_impact.
     kth = torch.topk(ranked, k).values[-1] if k > 0 else ranked.new_tensor(-math.inf)
     bar = kth.clamp_min(min_impact)
-    return estimate.isfinite() & ~active & (estimate < quiet_below * bar)
+    far = torch.where(active, estimate > quiet_above * bar, estimate < quiet_below * bar)
+    return estimate.isfinite() & far
 
 
 POLICIES = (ImpactPolicy,)
