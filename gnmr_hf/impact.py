@@ -149,9 +149,12 @@ class ImpactMeter:
         index: torch.Tensor | None,
         rows_per_token: int = 1,
         in_forward: bool = False,
+        also: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Measure on this output: `delta` ([R, F] float32) is the cheap path's change of the rows `index` of
-        `output` (as [-1, F]; None: every row). The backward's dL/dY on those rows completes the measure.
+        `output` (as [-1, F]; None: every row). The backward's dL/dY on those rows completes the measure. `also`:
+        a second change of the same rows from an error independent of the first (block_fp's weight-gradient input
+        rounding beside its forward's), whose square adds to delta's.
         `rows_per_token`: rows of `output` per token (an attention output [B, T, heads, head_dim] has one per head),
         so that N counts tokens, not rows.
 
@@ -167,6 +170,8 @@ class ImpactMeter:
             output = output.detach().requires_grad_()
         n_rows = output.numel() // output.shape[-1]
         weight = delta.detach().float().square()
+        if also is not None:
+            weight = weight + also.detach().float().square()
         output.register_hook(functools.partial(self._on_grad, index, weight, n_rows, rows_per_token))
         return output
 

@@ -20,6 +20,7 @@ from gnmr_hf.advise import advise, format_advice
 from gnmr_hf.experiments.faults import inject_fault
 from gnmr_hf.experiments.pretrain import build_model, llama_config
 from gnmr_hf.impact import ImpactMeter, QuietTurns, impacts
+from gnmr_hf.quant import random_hadamard, rotate_rows
 from gnmr_hf.trace import read_trace
 
 from trainer_utils import step_impacts
@@ -379,6 +380,36 @@ def test_a_linear_units_output_change_is_its_cheap_gemm_minus_the_exact_one():
     expected = 0.5 * 5 * (out.detach() - exact).square().sum()  # dL/dY = 1 on every entry
     assert value.item() == pytest.approx(expected.item(), rel=1e-4)
     unit.close()
+
+
+@pytest.mark.parametrize("rht", [False, True])
+def test_with_impact_wgrad_a_linear_units_impact_adds_its_weight_gradients_rounded_inputs_output_change(rht):
+    # The weight gradient's input, rounded along the tokens (rotated and rotated back with wgrad_rht), changes the
+    # output by (x' - x) W^T; its square adds to the forward's. A frozen weight has no weight gradient: no term.
+    options = {"low_format": "e2m1", "high_format": "bf16", "scaling": "nvfp4", "wgrad_rht": rht}
+    values = {}
+    for wgrad, frozen in ((False, False), (True, False), (True, True)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 6))
+        model[0].weight.requires_grad_(not frozen)
+        (unit,) = find_units(model, "block_fp", backend_options={**options, "impact_wgrad": wgrad})
+        unit.impact.start(0, clock=lambda: 0)
+        x = torch.randn(20, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        model.train()
+        out = model(x)
+        out.sum().backward()
+        (values[wgrad, frozen],) = impacts([unit.impact.take()], torch.device("cpu"))
+        low = unit.low
+        unit.close()
+    lin = model[0]
+    x = x.detach()
+    rounded = low.input_operand(x, 0)
+    if rht:
+        rounded = rotate_rows(rounded, random_hadamard(16, low.seed).t())
+    wgrad_term = 0.5 * 20 * F.linear(rounded[:20] - x, lin.weight).square().sum()  # dL/dY = 1 everywhere
+    assert not torch.allclose(rounded[:20], x)
+    assert (values[True, False] - values[False, False]).item() == pytest.approx(wgrad_term.item(), rel=1e-4)
+    assert values[True, True].item() == pytest.approx(values[False, False].item(), rel=1e-6)
 
 
 def test_an_act_quant_heads_impact_weighs_the_logits_its_backward_recomputes_by_dl_dlogits():

@@ -287,6 +287,14 @@ class BlockFPOptions(SignalOptions):
         default=False,
         metadata={"help": "In eval mode, quantize as in training (default: eval runs the plain F.linear)."},
     )
+    impact_wgrad: bool = field(
+        default=False,
+        metadata={
+            "help": "policy='impact': a unit's impact also weighs the cheap path's rounding of the weight-gradient "
+            "GEMM's input (along the tokens), as act_quant's weighs a saved input: that weight gradient is the "
+            "exact one of a forward through the rounded input. False: the forward's rounding alone."
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -314,6 +322,7 @@ class BlockFPOptions(SignalOptions):
         self.check_int("rounding_seed", 0, 2**32 - 1)
         self.check_bool("quantize_lm_head")
         self.check_bool("quantize_eval")
+        self.check_bool("impact_wgrad")
 
 
 class BlockFPUnit(SwitchedUnit):
@@ -441,7 +450,17 @@ class BlockFPUnit(SwitchedUnit):
         else:
             cheap_x, cheap_w = self.low.input_rows(x_rows, index), self.low.operand(weight, 1, weight=True)
             cheap = F.linear(cheap_x, cheap_w, None if bias is None else bias.float()).to(out.dtype).float()
-        return self.impact.offer(out, cheap - exact, index, in_forward=True)
+        also = None
+        if self.options.impact_wgrad and self.module.weight.requires_grad:
+            # The weight gradient's input, rounded along the tokens (its blocks span rows, so the whole input is
+            # rounded and the sampled rows taken), rotated back where wgrad_rht rotated it: the weight gradient is
+            # that of Y' = x' W^T, so its change of the output is (x' - x) W^T with the exact weight.
+            low = self.low
+            wgrad_x = low.input_operand(x2.float(), 0)
+            if low.wgrad_rht:
+                wgrad_x = rotate_rows(wgrad_x, _rotation(low.seed, wgrad_x.device).t())
+            also = F.linear(take_rows(wgrad_x[: x2.shape[0]], index) - x_rows, weight)
+        return self.impact.offer(out, cheap - exact, index, in_forward=True, also=also)
 
 
 def _draw(name: str, passes: int) -> int:
