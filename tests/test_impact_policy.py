@@ -200,6 +200,12 @@ def test_a_unit_far_from_the_bar_to_the_budget_on_its_side_is_quiet_and_an_unmea
     ctl = controller(quiet_above=math.inf)
     run(ctl, [impacts(base=math.nan, u4=1.0, u6=0.1)])
     assert not ctl.policy.quiet_mask.any()
+    # Its last measure must be over it too: a held unit whose cost has gone (1.0, then 0.02 = 2 x the min_impact
+    # bar) leaves the slower rotation while its running estimate (0.51) comes down.
+    ctl = controller(smoothing=0.5)
+    hosts = run(ctl, [impacts(base=math.nan, u6=1.0), impacts(base=math.nan, u6=0.02)])
+    assert active(hosts) == [[6], [6]] and ctl.policy.estimate[6] == pytest.approx(0.51)
+    assert hosts[0].extras["impact"]["quiet"] == 1 and not ctl.policy.quiet_mask[6]
     ctl = controller(quiet_above=1.0)
     run(ctl, [impacts(base=math.nan, u4=0.2, u6=0.1)])
     assert ctl.policy.quiet_mask.tolist() == [False, False, False, False, True, False, False]
@@ -241,6 +247,17 @@ def test_the_quiet_units_survive_a_resume_and_a_reverted_step_takes_them_back():
     assert not ctl.policy.quiet_mask[0]
     ctl.revert()
     assert ctl.policy.quiet_mask.tolist() == quiet
+    # The last measures are state too: a held unit whose last measure fell stays off the slower rotation after a
+    # resume; a state saved before they were kept takes the running estimate for them.
+    ctl = controller(smoothing=0.5)
+    run(ctl, [impacts(base=math.nan, u6=1.0), impacts(base=math.nan, u6=0.02)])
+    restored = controller(smoothing=0.5)
+    restored.load_state_dict(json.loads(json.dumps(ctl.json_state())))
+    assert not restored.policy.quiet_mask[6] and restored.policy.last_measure[6] == pytest.approx(0.02)
+    old = {k: v for k, v in ctl.state_dict().items() if k != "impact_last"}
+    restored = controller(smoothing=0.5)
+    restored.load_state_dict(old)
+    assert restored.policy.quiet_mask[6] and restored.policy.last_measure[6] == pytest.approx(0.51)
 
 
 def test_the_trace_gets_the_estimates_of_the_units_measured_this_step():

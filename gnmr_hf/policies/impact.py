@@ -126,7 +126,7 @@ class ImpactOptions(PolicyOptions):
 class ImpactPolicy(LockedPolicy):
     """The impact policy (see the module docstring). State beyond the locks and the relapse lock: each unit's
     running impact estimate (`impact_estimate`, NaN before its first measure), the step of its last measure
-    (`impact_at`) and the step of its last probe (`impact_probed_at`)."""
+    (`impact_at`), that measure itself (`impact_last`) and the step of its last probe (`impact_probed_at`)."""
 
     name = "impact"
     options = ImpactOptions
@@ -152,8 +152,11 @@ class ImpactPolicy(LockedPolicy):
         self._families = torch.tensor(self.relations.families, dtype=torch.long, device=self.device)
         self.estimate = torch.full((self.num_units,), torch.nan, dtype=torch.float64, device=self.device)
         self.estimated_at = torch.full((self.num_units,), NEVER, dtype=torch.int64, device=self.device)
+        # Each unit's last measure itself (NaN before one): a unit in recovery is quiet only while that, not just the
+        # running estimate, is far over the bar, so that a unit whose cost has gone measures at its usual turns.
+        self.last_measure = torch.full((self.num_units,), torch.nan, dtype=torch.float64, device=self.device)
         self.probed_at = torch.full((self.num_units,), NEVER, dtype=torch.int64, device=self.device)
-        self._estimate_before: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._estimate_before: tuple[torch.Tensor, ...] | None = None
 
     def step(self, scores: Scores) -> Choice:
         """One step: the new recovery set and locks, and per unit `impact` (the running estimate, NaN where none
@@ -169,7 +172,8 @@ class ImpactPolicy(LockedPolicy):
             fresh,
             (1.0 - opts.smoothing) * self.estimate + opts.smoothing * fresh,
         )
-        self._estimate_before = (self.estimate, self.estimated_at, self.probed_at)
+        self._estimate_before = (self.estimate, self.estimated_at, self.probed_at, self.last_measure)
+        self.last_measure = torch.where(measured, fresh, self.last_measure)
         self.estimate = torch.where(measured, mixed, self.estimate)
         self.estimated_at = torch.where(measured, t, self.estimated_at)
         estimate = self.estimate
@@ -209,13 +213,20 @@ class ImpactPolicy(LockedPolicy):
         if opts.quiet_factor == 1:
             return torch.zeros_like(active)
         return quiet_units(
-            self.estimate, active, opts.min_impact, self.config.max_active, opts.quiet_below, opts.quiet_above
+            self.estimate,
+            active,
+            opts.min_impact,
+            self.config.max_active,
+            opts.quiet_below,
+            opts.quiet_above,
+            last=self.last_measure,
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return super().state_dict() | {
             "impact_estimate": self.estimate,
             "impact_at": self.estimated_at,
+            "impact_last": self.last_measure,
             "impact_probed_at": self.probed_at,
         }
 
@@ -224,12 +235,16 @@ class ImpactPolicy(LockedPolicy):
         if "impact_estimate" in state and "impact_at" in state:
             self.estimate = load_tensor(state, "impact_estimate", self.estimate)
             self.estimated_at = load_tensor(state, "impact_at", self.estimated_at)
+            # A state saved before the last measure was kept: the running estimate stands for it.
+            last = "impact_last" if "impact_last" in state else "impact_estimate"
+            self.last_measure = load_tensor(state, last, self.last_measure)
             # A state saved before probes existed: no unit probed yet.
             never = torch.full_like(self.probed_at, NEVER)
             self.probed_at = load_tensor(state, "impact_probed_at", never) if "impact_probed_at" in state else never
         else:  # a state another policy saved: no estimate yet
             self.estimate = torch.full_like(self.estimate, torch.nan)
             self.estimated_at = torch.full_like(self.estimated_at, NEVER)
+            self.last_measure = torch.full_like(self.last_measure, torch.nan)
             self.probed_at = torch.full_like(self.probed_at, NEVER)
         self._estimate_before = None
         # The quiet units follow from the state (a resumed run measures on the steps the uninterrupted one did).
@@ -239,7 +254,8 @@ class ImpactPolicy(LockedPolicy):
     def revert(self) -> None:
         super().revert()
         if self._estimate_before is not None:
-            (self.estimate, self.estimated_at, self.probed_at), self._estimate_before = self._estimate_before, None
+            (self.estimate, self.estimated_at, self.probed_at, self.last_measure) = self._estimate_before
+            self._estimate_before = None
         if self._quiet_before is not None:
             self.quiet_mask[:], self._quiet_before = self._quiet_before, None
 
@@ -278,19 +294,25 @@ def quiet_units(
     max_active: int,
     quiet_below: float,
     quiet_above: float = math.inf,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The units that measure on the slower rotation (`quiet_factor`): a finite estimate far from the bar to the
     budget (the larger of `min_impact` and the `max_active`-th largest estimate: what a unit must reach to be held,
     as far as the estimates know) on its own side of it: out of recovery under `quiet_below` of the bar (it must
     double its estimate, at the default 0.5, to compete), in recovery over `quiet_above` times it (it must halve its
-    estimate, at the default 2, to be released). A unit nearer the bar measures at its usual turns: its next measure
-    can change the decision. `estimate`: [N], NaN where unknown; `active`: [N] bool."""
+    estimate, at the default 2, to be released), and with `last` (each unit's last measure itself) only while that is
+    over it too: a held unit whose cost has gone (a brief fault's) measures at its usual turns while its running
+    estimate comes down. A unit nearer the bar measures at its usual turns: its next measure can change the
+    decision. `estimate`, `last`: [N], NaN where unknown; `active`: [N] bool."""
     ranked = estimate.nan_to_num(nan=-math.inf)
     k = min(max_active, estimate.numel())
     # Fewer known estimates than the budget: the k-th is -inf, and the bar is min_impact.
     kth = torch.topk(ranked, k).values[-1] if k > 0 else ranked.new_tensor(-math.inf)
     bar = kth.clamp_min(min_impact)
-    far = torch.where(active, estimate > quiet_above * bar, estimate < quiet_below * bar)
+    over = estimate > quiet_above * bar
+    if last is not None:
+        over = over & (last > quiet_above * bar)
+    far = torch.where(active, over, estimate < quiet_below * bar)
     return estimate.isfinite() & far
 
 
