@@ -271,29 +271,28 @@ class _Plant(TrainerCallback):
             self.planted = True
 
 
-def test_a_trainer_run_holds_the_planted_unit_and_the_others_take_turns_measuring(tmp_path):
-    data = [{k: v[i] for k, v in b.items()} for b in batches(6) for i in range(4)]
+def _planted_run(tmp_path, max_steps: int, max_active: int, policy_options: dict) -> tuple[list[str], list[dict]]:
+    """A Trainer run of the tiny model's block_fp units under policy="impact", FAULTY's cheap path made lossy at its
+    start (`_Plant`): the unit names and the trace's step records."""
+    data = [{k: v[i] for k, v in b.items()} for b in batches(max_steps) for i in range(4)]
     config = GNMRConfig(
-        backend="block_fp",
-        backend_options=OPTIONS,
-        policy="impact",
-        policy_options={"every": 3, "rows": 8},
-        max_active=1,
-        lock_steps=2,
-        min_history=2,
-        window=2,
-    )
-    ref: list = []
+        backend="block_fp", backend_options=OPTIONS, policy="impact", max_active=max_active, lock_steps=2,
+        min_history=2, window=2, policy_options=policy_options,
+    )  # fmt: skip
     args = TrainingArguments(
-        tmp_path, max_steps=6, per_device_train_batch_size=4, use_cpu=True, report_to=[], save_strategy="no",
+        tmp_path, max_steps=max_steps, per_device_train_batch_size=4, use_cpu=True, report_to=[], save_strategy="no",
         logging_steps=100, learning_rate=1e-3, disable_tqdm=True,
     )  # fmt: skip
+    ref: list = []
     trainer = GNMRTrainer(model=tiny(), args=args, train_dataset=data, gnmr_config=config, callbacks=[_Plant(ref)])
     ref.append(trainer)
     trainer.train()
     header, records = read_trace(tmp_path / "gnmr_trace.jsonl")
-    steps = [r for r in records if r["type"] == "step"]
-    names = header["units"]
+    return header["units"], [r for r in records if r["type"] == "step"]
+
+
+def test_a_trainer_run_holds_the_planted_unit_and_the_others_take_turns_measuring(tmp_path):
+    names, steps = _planted_run(tmp_path, 6, 1, {"every": 3, "rows": 8})
     faulty = names.index(FAULTY)
     measured = [{i for i, _ in r["impact"]["estimate"]} for r in steps]
     # 14 units over every=3 steps: 4 or 5 a step, each unit once in three steps.
@@ -316,22 +315,8 @@ def test_in_a_trainer_run_the_units_far_under_the_held_one_measure_on_the_slower
     # every=1: each unit measures every step until its estimate is far under the planted unit's (the bar to a budget
     # of 1); from then on one step in quiet_factor=4, at its turn (clock + i) % 4 == 0, while the held unit measures
     # every step. The clock is the Trainer's global_step, which is the traced step - 1 during that step's forward.
-    data = [{k: v[i] for k, v in b.items()} for b in batches(10) for i in range(4)]
-    config = GNMRConfig(
-        backend="block_fp", backend_options=OPTIONS, policy="impact", max_active=1, lock_steps=2, min_history=2,
-        window=2, policy_options={"every": 1, "rows": 8, "quiet_factor": 4},
-    )  # fmt: skip
-    args = TrainingArguments(
-        tmp_path, max_steps=10, per_device_train_batch_size=4, use_cpu=True, report_to=[], save_strategy="no",
-        logging_steps=100, learning_rate=1e-3, disable_tqdm=True,
-    )  # fmt: skip
-    ref: list = []
-    trainer = GNMRTrainer(model=tiny(), args=args, train_dataset=data, gnmr_config=config, callbacks=[_Plant(ref)])
-    ref.append(trainer)
-    trainer.train()
-    header, records = read_trace(tmp_path / "gnmr_trace.jsonl")
-    steps = [r for r in records if r["type"] == "step"]
-    n, faulty = len(header["units"]), header["units"].index(FAULTY)
+    names, steps = _planted_run(tmp_path, 10, 1, {"every": 1, "rows": 8, "quiet_factor": 4})
+    n, faulty = len(names), names.index(FAULTY)
     measured = [{i for i, _ in r["impact"]["estimate"]} for r in steps]
     assert measured[0] == set(range(n))  # step 1: every unit, nothing is known yet
     quiet_from = next(k for k, r in enumerate(steps) if r["impact"]["quiet"] == n - 1)
@@ -645,27 +630,13 @@ def test_in_a_trainer_run_a_held_unit_far_over_the_bar_measures_on_the_slower_ro
     # Budget 2: the planted unit is held, far over the bar (the larger of min_impact and the 2nd largest estimate,
     # an ordinary unit's), so it measures on its quiet turns only, (clock + i) % 4 == 0, and stays held between them
     # on its running estimate.
-    data = [{k: v[i] for k, v in b.items()} for b in batches(12) for i in range(4)]
-    config = GNMRConfig(
-        backend="block_fp", backend_options=OPTIONS, policy="impact", max_active=2, lock_steps=2, min_history=2,
-        window=2, policy_options={"every": 1, "rows": 8, "quiet_factor": 4},
-    )  # fmt: skip
-    args = TrainingArguments(
-        tmp_path, max_steps=12, per_device_train_batch_size=4, use_cpu=True, report_to=[], save_strategy="no",
-        logging_steps=100, learning_rate=1e-3, disable_tqdm=True,
-    )  # fmt: skip
-    ref: list = []
-    trainer = GNMRTrainer(model=tiny(), args=args, train_dataset=data, gnmr_config=config, callbacks=[_Plant(ref)])
-    ref.append(trainer)
-    trainer.train()
-    header, records = read_trace(tmp_path / "gnmr_trace.jsonl")
-    steps = [r for r in records if r["type"] == "step"]
-    faulty = header["units"].index(FAULTY)
+    names, steps = _planted_run(tmp_path, 12, 2, {"every": 1, "rows": 8, "quiet_factor": 4})
+    faulty = names.index(FAULTY)
     turns = [(r["step"] - 1 + faulty) % 4 == 0 for r in steps]
     measured = [faulty in {i for i, _ in r["impact"]["estimate"]} for r in steps]
     # Every unit quiet from the step after the decision that says so: the planted one far over the bar, the rest
     # far under it.
-    quiet_from = next(k for k, r in enumerate(steps) if r["impact"]["quiet"] == len(header["units"])) + 1
+    quiet_from = next(k for k, r in enumerate(steps) if r["impact"]["quiet"] == len(names)) + 1
     assert quiet_from < 4 and measured[:quiet_from] == [True] * quiet_from  # every step until then
     assert measured[quiet_from:] == turns[quiet_from:] and not all(turns[quiet_from:])  # then its quiet turns alone
     assert all(faulty in r["active"] for r in steps)
