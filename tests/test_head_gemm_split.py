@@ -11,6 +11,7 @@ import torch
 
 from gnmr_hf import find_units
 from gnmr_hf.backends.block_fp import GemmFormat, block_fp_linear
+from gnmr_hf.experiments import operands
 from gnmr_hf.experiments.pretrain import build_model, llama_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -20,15 +21,15 @@ LOW, HIGH = GemmFormat("e2m1", "fp32"), GemmFormat("e4m3", "fp32")
 
 
 def test_block_fp_linear_rounds_each_input_through_the_method_operand_formats_routes_it_by(monkeypatch):
-    hgs.check_operand_routing(LOW, HIGH)
+    operands.check_operand_routing(LOW, HIGH)
 
-    class Misrouted(hgs.OperandFormats):  # the output gradient rounded as the weight is
+    class Misrouted(operands.OperandFormats):  # the output gradient rounded as the weight is
         def operand(self, t, contract, *, weight=False):
             return (self.w if not weight else self.g).operand(t, contract, weight=weight)
 
-    monkeypatch.setattr(hgs, "OperandFormats", Misrouted)
+    monkeypatch.setattr(operands, "OperandFormats", Misrouted)
     with pytest.raises(RuntimeError, match="no longer rounds its GEMM inputs"):
-        hgs.check_operand_routing(LOW, HIGH)
+        operands.check_operand_routing(LOW, HIGH)
 
 
 @pytest.mark.parametrize("arm", hgs.ARMS)
