@@ -10,6 +10,12 @@ unit-steps over seeds, its mean gap closed, and a bar from the lowest seed to th
         --high runs/smollm2_fp4_impact/static_high \\
         --series impact=runs/fp4_budget/k1/impact/gnmr_impact,runs/smollm2_fp4_impact/gnmr_impact \\
         --title "FP4 on SmolLM2-135M" --out docs/fp4_budget.png
+
+Which loss (`--loss`): `final` (default), the evaluation after training, which runs the plain model (the recipe's
+callback closes the units first); `in_training`, the last evaluation during training (`--eval_steps` equal to
+`--max_steps`), which with block_fp's `quantize_eval=true` runs each unit on its path of the last step: the model as
+trained, on its cheap paths; `train_tail`, the mean logged training loss over the second half of the steps, the loss
+training descends (on the cheap paths, each batch once).
 """
 
 from __future__ import annotations
@@ -29,9 +35,31 @@ def _seeds(arm: Path) -> dict[int, dict[str, Any]]:
     return runs
 
 
-def curve_points(low: Path, high: Path, series: dict[str, list[Path]]) -> list[dict[str, Any]]:
+LOSSES = ("final", "in_training", "train_tail")
+
+
+def run_loss(result: dict[str, Any], loss: str = "final") -> float:
+    """The loss of one run's `result.json` that `--loss` names (see the module docstring)."""
+    if loss == "final":
+        return result["final_eval_loss"]
+    if loss == "in_training":
+        # eval_loss lists the evaluations during training, then the final one: the last before it.
+        during = result.get("eval_loss", [])[:-1]
+        if not during:
+            raise SystemExit(f"error: --loss in_training: a run of seed {result['seed']} has no evaluation during "
+                             "training (run it with --eval_steps equal to --max_steps)")  # fmt: skip
+        return during[-1][1]
+    half = result["max_steps"] / 2
+    tail = [value for step, value in result.get("train_loss", []) if step > half]
+    if not tail:
+        raise SystemExit(f"error: --loss train_tail: a run of seed {result['seed']} logged no training loss after "
+                         f"step {half:g}")  # fmt: skip
+    return sum(tail) / len(tail)
+
+
+def curve_points(low: Path, high: Path, series: dict[str, list[Path]], loss: str = "final") -> list[dict[str, Any]]:
     """One point per (series, arm folder): the seeds it has that static low and high also have, each with its gap
-    closed and unit-steps, and their means."""
+    closed (on `loss`, `run_loss`) and unit-steps, and their means."""
     lows, highs = _seeds(low), _seeds(high)
     points = []
     for name, arms in series.items():
@@ -41,8 +69,8 @@ def curve_points(low: Path, high: Path, series: dict[str, list[Path]]) -> list[d
             if not seeds:
                 raise SystemExit(f"error: --series {name}: {arm} has no seed that --low and --high both have")
             closed = {
-                s: (lows[s]["final_eval_loss"] - runs[s]["final_eval_loss"])
-                / (lows[s]["final_eval_loss"] - highs[s]["final_eval_loss"])
+                s: (run_loss(lows[s], loss) - run_loss(runs[s], loss))
+                / (run_loss(lows[s], loss) - run_loss(highs[s], loss))
                 for s in seeds
             }
             spent = {s: runs[s].get("recovery_fraction", 0.0) for s in seeds}
@@ -114,11 +142,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--title", default="")
     parser.add_argument("--out", type=Path, default=None, help="the figure (.png); the table goes to stdout")
     parser.add_argument("--json", type=Path, default=None, help="also write the points as JSON here")
+    parser.add_argument("--loss", choices=LOSSES, default="final", help="which loss the gap is read on (docstring)")
     cli = parser.parse_args(argv)
     for flag, arm in [("--low", cli.low), ("--high", cli.high), *(("--series", a) for _, d in cli.series for a in d)]:
         if not any(arm.glob("seed*/result.json")):
             parser.error(f"{flag}: {arm} has no seed<k>/result.json")
-    points = curve_points(cli.low, cli.high, dict(cli.series))
+    points = curve_points(cli.low, cli.high, dict(cli.series), cli.loss)
     print(table(points))
     if cli.out is not None:
         plot(points, cli.out, cli.title)

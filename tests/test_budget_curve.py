@@ -41,3 +41,28 @@ def test_a_folder_without_results_is_named(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         curve.main(["--low", str(low), "--high", str(low), "--series", "no_equals_sign"])
     assert exit_info.value.code == 2
+
+
+def _runs(root, name, evals, train):
+    """One seed's result.json with evaluations (step, loss) ending with the final one, and logged training losses."""
+    folder = root / name / "seed0"
+    folder.mkdir(parents=True)
+    result = {"seed": 0, "max_steps": 40, "final_eval_loss": evals[-1][1], "eval_loss": evals, "train_loss": train}
+    (folder / "result.json").write_text(json.dumps(result))
+    return root / name
+
+
+def test_the_gap_is_read_on_the_loss_named(tmp_path):
+    curve = load_script("benchmarks/budget_curve.py")
+    root = tmp_path
+    # in training (the model on its cheap paths) 4.0 / 2.0 / 3.0; after (exact) 2.4 / 2.2 / 2.3; training loss over
+    # steps 21-40 (the step-20 value is the first half's) 5.0 / 3.0 / 3.5.
+    low = _runs(root, "low", [[40, 4.0], [40, 2.4]], [[20, 9.0], [30, 5.0], [40, 5.0]])
+    high = _runs(root, "high", [[40, 2.0], [40, 2.2]], [[20, 9.0], [30, 3.0], [40, 3.0]])
+    arm = _runs(root, "arm", [[40, 3.0], [40, 2.3]], [[20, 1.0], [30, 3.0], [40, 4.0]])
+    for loss, closed in (("final", 0.5), ("in_training", 0.5), ("train_tail", 0.75)):
+        points = curve.main(["--low", str(low), "--high", str(high), "--series", f"a={arm}", "--loss", loss])
+        assert points[0]["gap_closed"][0] == pytest.approx(closed), loss
+    after_only = _runs(root, "after_only", [[40, 2.3]], [[40, 4.0]])
+    with pytest.raises(SystemExit, match="no evaluation during training"):
+        curve.main(["--low", str(low), "--high", str(high), "--series", f"a={after_only}", "--loss", "in_training"])
