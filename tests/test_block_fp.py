@@ -395,6 +395,10 @@ def test_eval_mode_runs_the_plain_matmul_unless_quantize_eval():
         assert torch.equal(evaluated, train if quantize_eval else plain)
         assert not torch.equal(train, plain)
         unit.close()
+        # Closed (as the callback closes every unit at train end), the module is the plain one either way: an
+        # evaluation after training reads the exact model (docs/block_fp.md).
+        with torch.no_grad():
+            assert torch.equal(model(x), plain)
 
 
 # ------------------------------------------------------------------------------------ NVFP4 (scaling="nvfp4")

@@ -285,7 +285,11 @@ class BlockFPOptions(SignalOptions):
     )
     quantize_eval: bool = field(
         default=False,
-        metadata={"help": "In eval mode, quantize as in training (default: eval runs the plain F.linear)."},
+        metadata={
+            "help": "In eval mode, quantize as in training (default: eval runs the plain F.linear). Applies while the "
+            "units are open: an evaluation during training; the callback closes them at train end, after which the "
+            "model is the plain one."
+        },
     )
     impact_wgrad: bool = field(
         default=False,
