@@ -615,3 +615,23 @@ def test_the_tiny_preset_runs_end_to_end(tmp_path, text_dir, one_thread):
     assert len([line for line in table.splitlines() if line.startswith("|")]) == 2 + 4
     assert "saved MB/step" not in table and "Saved for backward: " in table  # block_fp's formats cannot change it
     assert (out / "loss_curves.png").is_file()
+
+
+def test_quantize_eval_reads_the_cheap_paths_during_training_and_the_exact_model_after(tmp_path, text_dir, one_thread):
+    # docs/block_fp.md: one run gives both readings; the option changes no step of the training itself.
+    runs = {}
+    for quantize_eval in ("false", "true"):
+        (result,) = recipe().main(
+            [
+                *("--preset", "tiny", "--output_dir", str(tmp_path / quantize_eval), "--corpus", str(text_dir)),
+                *("--arms", "static_low", "--max_steps", "2", "--eval_steps", "2", "--logging_steps", "1"),
+                *("--backend_options", f"low_format=e2m1,quantize_eval={quantize_eval}", "--plot", "False"),
+            ]
+        )
+        runs[quantize_eval] = result
+    plain, cheap = runs["false"], runs["true"]
+    assert plain["train_loss"] == cheap["train_loss"]
+    assert plain["final_eval_loss"] == cheap["final_eval_loss"]  # after train end the units are closed: exact
+    (during_plain, after_plain), (during_cheap, _) = plain["eval_loss"], cheap["eval_loss"]
+    assert during_plain == after_plain  # the same exact model, evaluated twice
+    assert during_cheap[1] != after_plain[1]  # during training, on its FP4 paths
