@@ -22,27 +22,13 @@ and `.json`.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import re
-from pathlib import Path
-from typing import Any
-
 from gnmr_hf.commandline import quiet_unused_imports
 
 with quiet_unused_imports("block_fp"):
-    from transformers import TrainerCallback
-
     from gnmr_hf import GNMRConfig
     from gnmr_hf.backends.block_fp import GemmFormat
-    from gnmr_hf.experiments.operands import OperandFormats, check_operand_routing
-    from gnmr_hf.experiments.pretrain import (
-        benchmark_arguments,
-        benchmark_parser,
-        load_corpus,
-        retokenize,
-        run_arm,
-    )
+    from gnmr_hf.experiments.operands import HIGH, LOW, OperandFormats, run_split
+    from gnmr_hf.experiments.pretrain import benchmark_parser
 
 ARMS = ("all_low", "grad_high", "fwd_high", "all_high")
 PROJECTIONS = [r"\.(q|k|v|o|gate|up|down)_proj$"]
@@ -58,59 +44,17 @@ def formats_for(arm: str, low: GemmFormat, high: GemmFormat) -> OperandFormats |
     }[arm]
 
 
-class UnitFormats(TrainerCallback):
-    """Sets the cheap path of every unit whose name matches one of `units` (regexes; None: every unit) to `formats`
-    at train begin (every unit is static on its cheap path). Fails if no unit matches."""
-
-    def __init__(self, owner: Any, formats: OperandFormats | None, units: list[str] | None = None) -> None:
-        self.owner, self.formats, self.units = owner, formats, units
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        chosen = [u for u in self.owner.units if self.units is None or any(re.search(p, u.name) for p in self.units)]
-        if not chosen:
-            raise ValueError(f"--units {self.units} match no unit")
-        if self.formats is not None:
-            for unit in chosen:
-                unit.low = self.formats
-
-
 def main() -> None:
     parser = benchmark_parser(__doc__.split("\n\n")[0], ARMS)
     parser.add_argument("--model", default="scratch", help="PretrainArguments.model (smollm2-135m with --preset real)")
     parser.add_argument("--units", nargs="+", default=None, help="Regexes of the units set apart (default: all)")
     cli = parser.parse_args()
 
-    low, high = GemmFormat("e2m1", "fp32"), GemmFormat("e4m3", "fp32")
-    check_operand_routing(low, high)
-    root = Path(cli.output_dir)
-    args, pretrain = benchmark_arguments(cli)
-    pretrain = dataclasses.replace(pretrain, model=cli.model)
     config = GNMRConfig(
-        backend="block_fp", backend_options={"low_format": low.fmt, "high_format": high.fmt}, include=PROJECTIONS
+        backend="block_fp", backend_options={"low_format": LOW.fmt, "high_format": HIGH.fmt}, include=PROJECTIONS
     )
-    corpus = retokenize(load_corpus(pretrain.corpus, pretrain.corpus_bytes), pretrain.model)
-    rows = []
-    for seed in cli.seeds:
-        for arm in cli.arms:
-            out = root / arm / f"seed{seed}"
-            formats = formats_for(arm, low, high)
-            result = run_arm(
-                "static_low",
-                seed,
-                args=dataclasses.replace(args, output_dir=str(out)),
-                pretrain=pretrain,
-                config=config,
-                corpus=corpus,
-                extra_callbacks=lambda owner, formats=formats: [UnitFormats(owner, formats, cli.units)],
-            )
-            rows.append({"arm": arm, "seed": seed, "units": cli.units, "final_eval_loss": result["final_eval_loss"]})
-            (root / "operand_split.json").write_text(json.dumps(rows, indent=1))
-    lines = ["| arm | x / W / G of the units set apart | seed | val loss |", "|---|---|---|---|"]
-    for row in rows:
-        f = formats_for(row["arm"], low, high)
-        lines.append(f"| {row['arm']} | {f.fmt if f else 'all e2m1'} | {row['seed']} | {row['final_eval_loss']:.4f} |")
-    (root / "operand_split.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    what = "x / W / G of the units set apart"
+    run_split(cli, config, formats_for, name="operand_split", what=what, units=cli.units, model=cli.model)
 
 
 if __name__ == "__main__":

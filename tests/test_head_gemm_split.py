@@ -37,7 +37,7 @@ def test_each_arm_gives_the_head_its_formats_and_leaves_the_other_units_alone(ar
     model = build_model(llama_config(d_model=32, n_layers=1, n_heads=2, seq_len=8), seed=0)
     units = find_units(model, "block_fp", low_format="e2m1", high_format="e4m3", quantize_lm_head=True)
     formats = hgs.formats_for(arm, LOW, HIGH)
-    hgs.HeadFormats(SimpleNamespace(units=units), formats).on_train_begin(None, None, None)
+    operands.UnitFormats(SimpleNamespace(units=units), formats, hgs.HEAD).on_train_begin(None, None, None)
     head = next(u for u in units if u.name == "lm_head")
     assert all(u.low == LOW for u in units if u is not head)
     x = torch.randn(2, 8, 32)

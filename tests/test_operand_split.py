@@ -11,6 +11,7 @@ import torch
 
 from gnmr_hf import find_units
 from gnmr_hf.backends.block_fp import GemmFormat, block_fp_linear
+from gnmr_hf.experiments.operands import UnitFormats
 from gnmr_hf.experiments.pretrain import build_model, llama_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -29,7 +30,7 @@ def _units():
 def test_each_arm_sets_the_chosen_units_formats_and_leaves_the_others_on_fp4(arm, chosen):
     _, units = _units()
     formats = ops.formats_for(arm, LOW, HIGH)
-    ops.UnitFormats(SimpleNamespace(units=units), formats, chosen).on_train_begin(None, None, None)
+    UnitFormats(SimpleNamespace(units=units), formats, chosen).on_train_begin(None, None, None)
     apart = {u.name for u in units if chosen is None or "layers.1.mlp." in u.name}
     assert apart and (chosen is None or len(apart) == 3)
     for unit in units:
@@ -46,4 +47,4 @@ def test_each_arm_sets_the_chosen_units_formats_and_leaves_the_others_on_fp4(arm
 def test_units_that_match_nothing_fail_before_training():
     _, units = _units()
     with pytest.raises(ValueError, match="match no unit"):
-        ops.UnitFormats(SimpleNamespace(units=units), None, ["nothing"]).on_train_begin(None, None, None)
+        UnitFormats(SimpleNamespace(units=units), None, ["nothing"]).on_train_begin(None, None, None)

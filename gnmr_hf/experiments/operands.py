@@ -4,19 +4,26 @@
     unit.low = formats  # a BlockFPUnit's cheap path, as an experiment may replace it
 
 `benchmarks/head_gemm_split.py` sets the output head's inputs apart, `benchmarks/operand_split.py` every unit's (or
-some units'). `check_operand_routing` fails if `BlockFPLinear` no longer rounds each input through the method this
-routes it by.
+some units'): both train their arms with `run_split`. `check_operand_routing` fails if `BlockFPLinear` no longer
+rounds each input through the method this routes it by.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import TrainerCallback
 
 from ..backends.block_fp import GemmFormat, block_fp_linear
 
-__all__ = ["OperandFormats", "check_operand_routing"]
+__all__ = ["HIGH", "LOW", "OperandFormats", "UnitFormats", "check_operand_routing", "run_split"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +72,68 @@ def check_operand_routing(low: GemmFormat, high: GemmFormat) -> None:
     for name, got, want in zip(("output", "input grad", "weight grad"), (y, xr.grad, wr.grad), expected, strict=True):
         if not torch.equal(got.detach(), want):
             raise RuntimeError(f"BlockFPLinear no longer rounds its GEMM inputs as OperandFormats assumes ({name})")
+
+
+# The split benchmarks' formats: FP4 and its FP8 recovery path, DeepSeek-V3's tiles.
+LOW, HIGH = GemmFormat("e2m1", "fp32"), GemmFormat("e4m3", "fp32")
+
+
+class UnitFormats(TrainerCallback):
+    """Sets the cheap path of every unit whose name matches one of `units` (regexes; None: every unit) to `formats`
+    at train begin (every unit is static on its cheap path). Fails if no unit matches."""
+
+    def __init__(self, owner: Any, formats: OperandFormats | None, units: Sequence[str] | None = None) -> None:
+        self.owner, self.formats, self.units = owner, formats, units
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        chosen = [u for u in self.owner.units if self.units is None or any(re.search(p, u.name) for p in self.units)]
+        if not chosen:
+            raise ValueError(f"--units {self.units} match no unit")
+        if self.formats is not None:
+            for unit in chosen:
+                unit.low = self.formats
+
+
+def run_split(
+    cli: argparse.Namespace,
+    config: Any,
+    formats_for: Callable[[str, GemmFormat, GemmFormat], OperandFormats | None],
+    *,
+    name: str,
+    what: str,
+    units: Sequence[str] | None = None,
+    model: str = "scratch",
+) -> list[dict[str, Any]]:
+    """Train each of `cli.seeds` x `cli.arms` (`benchmark_parser`'s flags) as the static FP4 arm with the units
+    `units` matches on `formats_for(arm, LOW, HIGH)`, writing `<output_dir>/<name>.json` after every run and the
+    table `<name>.md` (its format column headed `what`) at the end; returns the rows."""
+    from .pretrain import benchmark_arguments, load_corpus, retokenize, run_arm
+
+    check_operand_routing(LOW, HIGH)
+    root = Path(cli.output_dir)
+    args, pretrain = benchmark_arguments(cli)
+    pretrain = dataclasses.replace(pretrain, model=model)
+    corpus = retokenize(load_corpus(pretrain.corpus, pretrain.corpus_bytes), pretrain.model)
+    rows = []
+    for seed in cli.seeds:
+        for arm in cli.arms:
+            formats = formats_for(arm, LOW, HIGH)
+            result = run_arm(
+                "static_low",
+                seed,
+                args=dataclasses.replace(args, output_dir=str(root / arm / f"seed{seed}")),
+                pretrain=pretrain,
+                config=config,
+                corpus=corpus,
+                extra_callbacks=lambda owner, formats=formats: [UnitFormats(owner, formats, units)],
+            )
+            units_set = None if units is None else list(units)
+            rows.append({"arm": arm, "seed": seed, "units": units_set, "final_eval_loss": result["final_eval_loss"]})
+            (root / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    lines = [f"| arm | {what} | seed | val loss |", "|---|---|---|---|"]
+    for row in rows:
+        f = formats_for(row["arm"], LOW, HIGH)
+        lines.append(f"| {row['arm']} | {f.fmt if f else 'all e2m1'} | {row['seed']} | {row['final_eval_loss']:.4f} |")
+    (root / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return rows
